@@ -1,0 +1,95 @@
+"""Naive references: build the N x N attention matrix A, then return A @ V.
+
+Readable and slow (O(N^2) memory); tests check the fast ops in ``mhla.ops`` against these, and the
+analysis code uses the matrices. Inputs are in token order ``[B, H, N, D]``; MHLA's blocks are given
+by ``block_ids`` (``[N]``, the block of each token, see ``mhla.blocks.BlockLayout.block_ids``).
+Definitions follow ``A[t, s] = W[b(t), b(s)] q_t . k_s / (q_t . z~_{b(t)} + eps)``.
+"""
+import torch
+
+__all__ = [
+    "linear_attention_matrix",
+    "mhla_attention_matrix",
+    "naive_linear_attention",
+    "naive_mhla_attention",
+    "naive_softmax_attention",
+    "softmax_attention_matrix",
+]
+
+
+def mhla_attention_matrix(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        mixing: torch.Tensor,
+        block_ids: torch.Tensor,
+        *,
+        key_mask: torch.Tensor | None = None,
+        normalizer: str = "paper",
+        eps: float = 1e-6,
+) -> torch.Tensor:
+    """MHLA attention matrix.
+
+    Args:
+        q: feature-mapped queries ``[B, H, N, D]``.
+        k: feature-mapped keys ``[B, H, N, D]``.
+        mixing: W ``[M, M]``.
+        block_ids: ``[N]`` long, block of each token, in ``[0, M)``.
+        key_mask: bool ``[B or 1, N]``, False for keys left out of every sum.
+        normalizer: ``"paper"`` (Eq. 4) or ``"official"`` (the released code; needs blocks of
+            equal size, in-block position = order of appearance in the sequence).
+        eps: added to the denominator.
+
+    Returns:
+        A ``[B, H, N, N]``.
+    """
+    num_blocks = mixing.shape[0]
+    one_hot = torch.nn.functional.one_hot(block_ids, num_blocks).to(k.dtype)  # [N, M]
+    if key_mask is not None:
+        k = k * key_mask[:, None, :, None].to(k.dtype)
+    z = one_hot.T @ k  # [B, H, M, D]: z_j = sum_{s in j} k_s
+    z_mixed = mixing @ z  # [B, H, M, D]
+    numerator = mixing[block_ids][:, block_ids] * (q @ k.transpose(-1, -2))  # [B, H, N, N]
+    if normalizer == "paper":
+        den = (q * z_mixed[:, :, block_ids]).sum(-1)  # [B, H, N]: q_t . z~_{b(t)}
+    elif normalizer == "official":
+        counts = one_hot.sum(0)
+        if not bool((counts == counts[0]).all()):
+            raise ValueError("normalizer='official' needs blocks of equal size")
+        pos = ((one_hot.cumsum(0) - 1) * one_hot).sum(-1).long()  # [N]: in-block position
+        token_at = torch.empty(num_blocks, int(counts[0]), dtype=torch.long, device=q.device)
+        token_at[block_ids, pos] = torch.arange(q.shape[-2], device=q.device)  # [M, T]
+        q_same_pos = q[:, :, token_at[:, pos]]  # [B, H, M, N, D]: q_{j, pos(t)}
+        qz = (q_same_pos * z[:, :, :, None, :]).sum(-1)  # [B, H, M, N]
+        den = (mixing[block_ids].T * qz).sum(2)  # [B, H, N]: sum_j W_{b(t) j} q_{j,pos(t)} . z_j
+    else:
+        raise ValueError(f"unknown normalizer {normalizer!r}")
+    return numerator / (den[..., None] + eps)
+
+
+def linear_attention_matrix(q: torch.Tensor, k: torch.Tensor, *, eps: float = 1e-6) -> torch.Tensor:
+    """Linear attention matrix ``A[t, s] = q_t . k_s / (q_t . sum_s' k_s' + eps)``; q, k ``[B, H, N, D]``."""
+    scores = q @ k.transpose(-1, -2)  # [B, H, N, N]
+    den = q @ k.sum(-2, keepdim=True).transpose(-1, -2)  # [B, H, N, 1]
+    return scores / (den + eps)
+
+
+def softmax_attention_matrix(q: torch.Tensor, k: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
+    """Softmax attention matrix ``softmax(q k^T * scale)``; q, k ``[B, H, N, D]``, scale defaults to D^-0.5."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return torch.softmax((q @ k.transpose(-1, -2)) * scale, dim=-1)
+
+
+def naive_mhla_attention(q, k, v, mixing, block_ids, *, key_mask=None, normalizer="paper", eps=1e-6):
+    """``mhla_attention_matrix(...) @ v``; v ``[B, H, N, Dv]`` -> ``[B, H, N, Dv]``."""
+    a = mhla_attention_matrix(q, k, mixing, block_ids, key_mask=key_mask, normalizer=normalizer, eps=eps)
+    return a @ v
+
+
+def naive_linear_attention(q, k, v, *, eps=1e-6):
+    """``linear_attention_matrix(q, k) @ v``; v ``[B, H, N, Dv]`` -> ``[B, H, N, Dv]``."""
+    return linear_attention_matrix(q, k, eps=eps) @ v
+
+
+def naive_softmax_attention(q, k, v, *, scale=None):
+    """``softmax_attention_matrix(q, k) @ v``; v ``[B, H, N, Dv]`` -> ``[B, H, N, Dv]``."""
+    return softmax_attention_matrix(q, k, scale=scale) @ v

@@ -1,0 +1,161 @@
+"""MHLA and linear attention as functional ops (batched matmuls, O(N) time and memory).
+
+Both ops take queries and keys that are already feature-mapped (non-negative, e.g. ReLU + eps).
+Nothing of size N x N is ever built: the keys and values are first reduced to per-block summaries
+``S_j = K_j^T V_j`` (``D x Dv``) and key sums ``z_j``, the summaries are mixed by W, and each query
+reads the mixed summary of its own block; batched matmuls only, forward and (hand-written)
+backward. Under autocast (fp16/bf16) everything inside the op runs in fp32, so that sums over many
+thousands of tokens neither overflow nor lose precision; the output comes back in the input
+dtype. The naive N x N references are in ``mhla.naive``.
+"""
+import torch
+
+__all__ = ["NORMALIZERS", "linear_attention", "mhla_attention"]
+
+NORMALIZERS = ("paper", "official")
+
+
+def _upcast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Cast to fp32 at least (fp64 stays fp64)."""
+    dtype = torch.promote_types(tensors[0].dtype, torch.float32)
+    return tuple(t.to(dtype) for t in tensors)
+
+
+class _LinearAttentionFunction(torch.autograd.Function):
+    """``o = q^T (sum_j W_ij S_j) / (q^T (sum_j W_ij z_j) + eps)`` with a hand-written backward.
+
+    Shapes: q, k ``[..., M, T, D]``, v ``[..., M, T, Dv]``, ``mask`` None or a 0/1 multiplier that
+    broadcasts to ``[..., M, T, 1]``, ``mixing`` ``[M, M]`` or None (no mixing: plain linear attention
+    when M = 1). Numerator and denominator are kept apart so that every large matmul has the
+    aligned shapes ``D x Dv`` (a ones-column appended to V makes them 65 wide, which is slower),
+    and the backward is a handful of batched matmuls where autograd would add copies and
+    zero-filled buffers.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, mixing, eps):
+        if mask is not None:
+            k = k * mask  # masked keys leave every sum
+        kv = k.transpose(-1, -2) @ v  # [..., M, D, Dv]: S_j
+        z = k.sum(-2, keepdim=True).transpose(-1, -2)  # [..., M, D, 1]: z_j
+        kv_mixed, z_mixed = (kv, z) if mixing is None else (_mix(mixing, kv), _mix(mixing, z))
+        den = q @ z_mixed + eps  # [..., M, T, 1]
+        out = (q @ kv_mixed).div_(den)  # [..., M, T, Dv]
+        ctx.save_for_backward(q, k, v, mask, mixing, kv, z, kv_mixed, z_mixed, out, den)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, mask, mixing, kv, z, kv_mixed, z_mixed, out, den = ctx.saved_tensors
+        grad_num = grad_out / den  # [..., M, T, Dv]
+        grad_den = -(grad_num * out).sum(-1, keepdim=True)  # [..., M, T, 1]
+        grad_q = None
+        if ctx.needs_input_grad[0]:
+            grad_q = (grad_num @ kv_mixed.transpose(-1, -2)).add_(grad_den * z_mixed.transpose(-1, -2))
+        grad_kv = q.transpose(-1, -2) @ grad_num  # [..., M, D, Dv], w.r.t. kv_mixed
+        grad_z = (q * grad_den).sum(-2, keepdim=True).transpose(-1, -2)  # [..., M, D, 1], w.r.t. z_mixed
+        grad_mixing = None
+        if mixing is not None:
+            if ctx.needs_input_grad[4]:
+                grad_mixing = _mix_grad(grad_kv, kv) + _mix_grad(grad_z, z)
+            grad_kv, grad_z = _mix(mixing.t(), grad_kv), _mix(mixing.t(), grad_z)  # w.r.t. kv, z
+        grad_k = None
+        if ctx.needs_input_grad[1]:
+            grad_k = (v @ grad_kv.transpose(-1, -2)).add_(grad_z.transpose(-1, -2))  # [..., M, T, D]
+            if mask is not None:
+                grad_k = grad_k.mul_(mask)
+        grad_v = k @ grad_kv if ctx.needs_input_grad[2] else None  # [..., M, T, Dv]; masked k rows are 0
+        return grad_q, grad_k, grad_v, None, grad_mixing, None
+
+
+def _mix(mixing: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``sum_j W_ij x_j`` for x ``[..., M, D, E]`` (one batched matmul, no copy of x)."""
+    flat = x.flatten(-2).flatten(0, -3)  # [G, M, D * E]
+    return torch.bmm(mixing.expand(flat.shape[0], -1, -1), flat).view_as(x)
+
+
+def _mix_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Gradient of ``_mix(W, x)`` w.r.t. W, given the gradient of its output: ``[M, M]``."""
+    flat_grad, flat_x = grad.flatten(-2).flatten(0, -3), x.flatten(-2).flatten(0, -3)  # [G, M, D * E]
+    return (flat_grad @ flat_x.transpose(-1, -2)).sum(0)
+
+
+def mhla_attention(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mixing: torch.Tensor,
+        *,
+        key_mask: torch.Tensor | None = None,
+        normalizer: str = "paper",
+        eps: float = 1e-6,
+) -> torch.Tensor:
+    """Multi-head linear attention (paper Eq. 4) on block-major inputs.
+
+    For a query t in block i:
+    ``o_t = q_t^T (sum_j W_ij S_j) / (q_t^T (sum_j W_ij z_j) + eps)``.
+
+    Args:
+        q: feature-mapped queries ``[B, H, M, T, D]`` (M blocks of T slots).
+        k: feature-mapped keys ``[B, H, M, T, D]``.
+        v: values ``[B, H, M, T, Dv]``.
+        mixing: W ``[M, M]``; row i says how much query block i reads of each key block.
+        key_mask: bool ``[B or 1, M, T]``, True for real tokens; other slots are left out of
+            every sum (their outputs are still computed and are meaningless).
+        normalizer: ``"paper"`` (Eq. 4, rows of the attention matrix sum to 1) or ``"official"``,
+            the released code's ``sum_j W_ij (q_{j, pos(t)} . z_j)`` built from the queries of
+            *other* blocks at the same in-block position; evenly divided blocks only (no mask).
+        eps: added to the denominator.
+
+    Returns:
+        ``[B, H, M, T, Dv]`` in the dtype of ``q``.
+    """
+    if q.ndim != 5 or k.shape != q.shape or v.shape[:-1] != q.shape[:-1]:
+        raise ValueError(
+            f"expected q, k [B, H, M, T, D] and v [B, H, M, T, Dv], got {tuple(q.shape)}, {tuple(k.shape)}, "
+            f"{tuple(v.shape)}")
+    num_blocks = q.shape[2]
+    if mixing.shape != (num_blocks, num_blocks):
+        raise ValueError(f"mixing must be [M, M] = [{num_blocks}, {num_blocks}], got {tuple(mixing.shape)}")
+    if normalizer not in NORMALIZERS:
+        raise ValueError(f"unknown normalizer {normalizer!r}; expected one of {NORMALIZERS}")
+    if key_mask is not None and key_mask.shape[-2:] != q.shape[2:4]:
+        raise ValueError(f"key_mask must be [B or 1, M, T] with M, T = {tuple(q.shape[2:4])}, "
+                         f"got {tuple(key_mask.shape)}")
+    if normalizer == "official" and key_mask is not None:
+        raise ValueError("normalizer='official' needs evenly divided blocks: key_mask must be None")
+
+    out_dtype = q.dtype
+    with torch.autocast(q.device.type, enabled=False):
+        q, k, v, mixing = _upcast(q, k, v, mixing)
+        if normalizer == "paper":
+            mask = None if key_mask is None else key_mask[:, None, :, :, None].to(q.dtype)  # [B | 1, 1, M, T, 1]
+            out = _LinearAttentionFunction.apply(q, k, v, mask, mixing, eps)
+        else:
+            kv = k.transpose(-1, -2) @ v  # [B, H, M, D, Dv]: S_j
+            qz = q @ k.sum(-2, keepdim=True).transpose(-1, -2)  # [B, H, M, T, 1]: q_{j,p} . z_j
+            out = (q @ _mix(mixing, kv)) / (_mix(mixing, qz) + eps)  # [B, H, M, T, Dv]
+    return out.to(out_dtype)
+
+
+def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, eps: float = 1e-6) -> torch.Tensor:
+    """Plain (global) linear attention: ``o_t = q_t^T S / (q_t^T z + eps)`` with ``S = K^T V``, ``z = sum_s k_s``.
+
+    Args:
+        q: feature-mapped queries ``[B, H, N, D]``.
+        k: feature-mapped keys ``[B, H, N, D]``.
+        v: values ``[B, H, N, Dv]``.
+        eps: added to the denominator.
+
+    Returns:
+        ``[B, H, N, Dv]`` in the dtype of ``q``.
+    """
+    if q.ndim != 4 or k.shape != q.shape or v.shape[:-1] != q.shape[:-1]:
+        raise ValueError(
+            f"expected q, k [B, H, N, D] and v [B, H, N, Dv], got {tuple(q.shape)}, {tuple(k.shape)}, "
+            f"{tuple(v.shape)}")
+    out_dtype = q.dtype
+    with torch.autocast(q.device.type, enabled=False):
+        q, k, v = _upcast(q, k, v)
+        out = _LinearAttentionFunction.apply(q, k, v, None, None, eps)  # [B, H, N, Dv]
+    return out.to(out_dtype)
