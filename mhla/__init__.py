@@ -1,0 +1,18 @@
+"""MHLA: multi-head linear attention (token-level heads over spatial blocks) for vision transformers."""
+from .attention import LinearAttention, MultiHeadLinearAttention
+from .blocks import BlockLayout, block_layout
+from .lepe import LePE
+from .mixing import MixingMatrix, mixing_init
+from .ops import linear_attention, mhla_attention
+
+__all__ = [
+    "BlockLayout",
+    "LePE",
+    "LinearAttention",
+    "MixingMatrix",
+    "MultiHeadLinearAttention",
+    "block_layout",
+    "linear_attention",
+    "mhla_attention",
+    "mixing_init",
+]

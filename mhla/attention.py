@@ -1,0 +1,210 @@
+"""Attention modules, drop-in for timm's ``attn_layer``: ``MultiHeadLinearAttention`` and ``LinearAttention``.
+
+Both take ``x`` ``[B, N, C]``, N = P prefix tokens (class/register tokens) followed by the patch
+tokens of a ``gh x gw`` grid in raster order, and return ``[B, N, C]``:
+
+    q, k, v = qkv(x)                        # [B, N, C] each
+    q, k    = RMSNorm(q), RMSNorm(k)        # over C, with qk_norm=True (paper)
+    phi(x)  = ReLU(x) + eps
+    o       = attention(phi(q), phi(k), v)  # per head, head dim C / H
+    out     = proj(o + LePE(v))             # LePE on the patch tokens only
+
+There is no LayerNorm inside: timm's block already normalises the input (``norm1``).
+
+Prefix tokens in MHLA: they form extra key blocks that every query reads with weight 1, and their
+own queries read every block with weight 1 (plain linear attention over all tokens). In matrix
+form W is extended to ``[[W, 1], [1, 1]]``, so rows of the attention matrix still sum to 1.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .blocks import MODES, block_layout
+from .lepe import LePE
+from .mixing import MixingMatrix
+from .ops import NORMALIZERS, linear_attention, mhla_attention
+
+__all__ = ["LinearAttention", "MultiHeadLinearAttention"]
+
+
+class LinearAttention(nn.Module):
+    """Plain ReLU linear attention (one global summary per head), the paper's baseline.
+
+    Args:
+        dim: channels C.
+        num_heads: heads H; C must be divisible by H.
+        qkv_bias: bias in the qkv projection.
+        qk_norm: RMSNorm on q and k over all C channels (the paper's choice; timm's softmax
+            ``Attention`` normalises per head instead).
+        proj_bias: bias in the output projection.
+        attn_drop: must be 0 (there is no attention matrix to drop).
+        proj_drop: dropout after the output projection.
+        norm_layer: norm before the output projection, used when ``scale_norm=True`` (as in timm).
+        scale_norm: normalise the attention output before the projection.
+        grid_size: token grid ``(gh, gw)``; None infers a square grid from N - P. Settable as
+            an attribute between forwards (e.g. for dynamic image sizes).
+        num_prefix_tokens: P tokens before the patch tokens.
+        lepe_kernel: LePE depthwise kernel size, 0 for none.
+        eps: feature-map and denominator epsilon.
+    """
+
+    def __init__(
+            self,
+            dim: int,
+            num_heads: int = 8,
+            qkv_bias: bool = False,
+            qk_norm: bool = False,
+            proj_bias: bool = True,
+            attn_drop: float = 0.,
+            proj_drop: float = 0.,
+            norm_layer: type[nn.Module] | None = None,
+            *,
+            scale_norm: bool = False,
+            grid_size: tuple[int, int] | None = None,
+            num_prefix_tokens: int = 0,
+            lepe_kernel: int = 5,
+            eps: float = 1e-6,
+            device=None,
+            dtype=None,
+    ) -> None:
+        super().__init__()
+        dd = dict(device=device, dtype=dtype)
+        if dim % num_heads:
+            raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
+        if attn_drop:
+            raise ValueError(f"attn_drop={attn_drop} is not supported: linear attention has no attention matrix")
+        if scale_norm and norm_layer is None:
+            raise ValueError("scale_norm=True needs a norm_layer")
+        if num_prefix_tokens < 0:
+            raise ValueError(f"num_prefix_tokens must be >= 0, got {num_prefix_tokens}")
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.grid_size = None if grid_size is None else tuple(grid_size)
+        self.num_prefix_tokens = num_prefix_tokens
+        self.eps = eps
+
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias, **dd)
+        self.q_norm = nn.RMSNorm(dim, eps=eps, **dd) if qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(dim, eps=eps, **dd) if qk_norm else nn.Identity()
+        self.lepe = LePE(dim, lepe_kernel, **dd) if lepe_kernel else None
+        self.norm = norm_layer(dim, **dd) if scale_norm else nn.Identity()
+        self.proj = nn.Linear(dim, dim, bias=proj_bias, **dd)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def token_grid(self, num_tokens: int) -> tuple[int, int]:
+        """The ``(gh, gw)`` grid of the patch tokens in a sequence of ``num_tokens``."""
+        num_patches = num_tokens - self.num_prefix_tokens
+        if self.grid_size is not None:
+            gh, gw = self.grid_size
+            if gh * gw != num_patches:
+                raise ValueError(
+                    f"token grid {gh}x{gw} ({gh * gw} tokens) + {self.num_prefix_tokens} prefix tokens "
+                    f"does not match N={num_tokens}")
+            return gh, gw
+        side = math.isqrt(max(num_patches, 0))
+        if num_patches < 1 or side * side != num_patches:
+            raise ValueError(
+                f"cannot infer a square token grid from N={num_tokens} tokens ({self.num_prefix_tokens} prefix); "
+                f"set grid_size")
+        return side, side
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+        """``x`` ``[B, N, C]`` -> ``[B, N, C]``."""
+        if attn_mask is not None or is_causal:
+            raise ValueError(f"{type(self).__name__} supports neither attn_mask nor is_causal")
+        grid = self.token_grid(x.shape[1])
+        q, k, v = self.qkv(x).chunk(3, dim=-1)  # [B, N, C] each
+        q = F.relu(self.q_norm(q)) + self.eps
+        k = F.relu(self.k_norm(k)) + self.eps
+        out = self._attend(q, k, v, grid)  # [B, N, C]
+        if self.lepe is not None:
+            lepe = self.lepe(v[:, self.num_prefix_tokens:], grid)  # [B, N - P, C]
+            out = out + F.pad(lepe, (0, 0, self.num_prefix_tokens, 0))
+        return self.proj_drop(self.proj(self.norm(out)))
+
+    def split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, N, C]`` -> ``[B, H, N, C / H]`` (a view)."""
+        return x.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        out = linear_attention(self.split_heads(q), self.split_heads(k), self.split_heads(v), eps=self.eps)
+        return out.transpose(1, 2).flatten(2)  # [B, N, C]
+
+
+class MultiHeadLinearAttention(LinearAttention):
+    """MHLA: linear attention over M token blocks with a learnable mixing of the block summaries.
+
+    Takes every argument of ``LinearAttention``, and:
+
+    Args:
+        block_grid: ``(bh, bw)`` blocks, M = bh * bw (paper: 4 x 4).
+        block_mode: ``"balanced"`` unequal blocks for grids that do not split evenly (14 x 14 into
+            4 x 4 -> rows of 4, 4, 3, 3), or ``"pad"``, the released code's even split with the
+            padding in the last blocks. Empty slots are masked out of every sum either way.
+        transform: mixing initialisation, one of ``mhla.mixing.TRANSFORMS`` (paper: ``linear``).
+        mixing_norm: ``rows`` (paper), ``columns`` (released code) or ``none``.
+        mixing_sigma: sigma of the ``exp`` and ``gaussian`` transforms.
+        learnable_mixing: False freezes W at its initialisation.
+        constrain_mixing: keep W in [0, 1] (paper); False only for ablations.
+        normalizer: ``"paper"`` (Eq. 4) or ``"official"`` (released code; evenly divided grids and
+            no prefix tokens only).
+    """
+
+    def __init__(
+            self,
+            dim: int,
+            num_heads: int = 8,
+            qkv_bias: bool = False,
+            qk_norm: bool = False,
+            proj_bias: bool = True,
+            attn_drop: float = 0.,
+            proj_drop: float = 0.,
+            norm_layer: type[nn.Module] | None = None,
+            *,
+            block_grid: tuple[int, int] = (4, 4),
+            block_mode: str = "balanced",
+            transform: str = "linear",
+            mixing_norm: str = "rows",
+            mixing_sigma: float | None = None,
+            learnable_mixing: bool = True,
+            constrain_mixing: bool = True,
+            normalizer: str = "paper",
+            **kwargs,
+    ) -> None:
+        super().__init__(dim, num_heads, qkv_bias, qk_norm, proj_bias, attn_drop, proj_drop, norm_layer, **kwargs)
+        if block_mode not in MODES:
+            raise ValueError(f"unknown block_mode {block_mode!r}; expected one of {MODES}")
+        if normalizer not in NORMALIZERS:
+            raise ValueError(f"unknown normalizer {normalizer!r}; expected one of {NORMALIZERS}")
+        if normalizer == "official" and self.num_prefix_tokens:
+            raise ValueError("normalizer='official' does not support prefix tokens")
+        self.block_grid = tuple(block_grid)
+        self.block_mode = block_mode
+        self.normalizer = normalizer
+        self.mixing = MixingMatrix(
+            self.block_grid, transform, mixing_norm, mixing_sigma,
+            learnable=learnable_mixing, constrain=constrain_mixing,
+            device=kwargs.get("device"), dtype=kwargs.get("dtype"))
+        if self.grid_size is not None:
+            self._layout(self.grid_size)
+
+    def _layout(self, grid: tuple[int, int]):
+        layout = block_layout(grid, self.block_grid, self.block_mode, self.num_prefix_tokens)
+        if self.normalizer == "official" and not layout.evenly_divided:
+            raise ValueError(
+                f"normalizer='official' needs a token grid divisible by the block grid, got {grid[0]}x{grid[1]} "
+                f"into {self.block_grid[0]}x{self.block_grid[1]}")
+        return layout
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        layout = self._layout(grid)
+        q, k, v = (layout.to_blocks(self.split_heads(t)) for t in (q, k, v))  # [B, H, M + G, T, D]
+        mixing = self.mixing()
+        if layout.num_prefix_blocks:
+            mixing = F.pad(mixing, (0, layout.num_prefix_blocks, 0, layout.num_prefix_blocks), value=1.0)
+        key_mask = None if layout.evenly_divided else layout.mask.to(q.device)[None]
+        out = mhla_attention(q, k, v, mixing, key_mask=key_mask, normalizer=self.normalizer,
+                             eps=self.eps)  # [B, H, M + G, T, D]
+        return layout.from_blocks(out.permute(0, 2, 3, 1, 4), dim=1).flatten(2)  # [B, N, C]
