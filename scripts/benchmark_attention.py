@@ -1,0 +1,258 @@
+"""Speed and memory of the attention ops: SDPA softmax vs plain linear attention vs MHLA.
+
+For each sequence length N (a square token grid) and each method, times the forward pass (no
+grad) and the forward + backward pass, all methods interleaved in one process, and measures the
+peak memory of each in a fresh process. ``mhla`` is the op on its own contract, block-major
+inputs (at N = 196 the 4 x 4 blocks are unequal and padded slots are masked); ``mhla_tokens`` adds
+the partition of token-order inputs and the gather back. In ``MultiHeadLinearAttention`` that
+partition takes the place of the head-split copy every attention module makes, so ``mhla`` is the
+figure to compare with ``linear``.
+
+    python scripts/benchmark_attention.py                       # CPU (or CUDA when present)
+    python scripts/benchmark_attention.py --sizes 196 1024 --min-run-time 0.2
+
+Writes ``<out-dir>/attention_benchmark.{csv,md,png}`` and prints the Markdown table and the
+targets (MHLA <= 1.25x linear, SDPA/MHLA >= 20 at N = 4096, MHLA <= 1.3x SDPA at N = 196, MHLA
+peak memory at N = 16384 <= 20x its N = 1024 figure).
+"""
+import argparse
+import csv
+import math
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from mhla import block_layout, linear_attention, mhla_attention
+from mhla.benchmark import keep_freed_memory, peak_memory, return_freed_memory, time_call
+
+METHODS = ("sdpa", "linear", "mhla", "mhla_tokens")
+MODES = ("forward", "train")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[196, 256, 1024, 4096, 16384],
+                        help="sequence lengths N, each a square number (token grid side = sqrt(N))")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--block-grid", type=int, nargs=2, default=[4, 4], metavar=("BH", "BW"))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--min-run-time", type=float, default=1.5, help="seconds of timed runs per measurement")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (the median is reported)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--system-malloc", action="store_true",
+                        help="time with glibc's allocator as it is (default: keep freed memory, see mhla.benchmark)")
+    parser.add_argument("--out-dir", type=Path, default=Path("outputs/benchmark_attention"))
+    parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--worker", nargs=3, metavar=("METHOD", "N", "MODE"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    for n in args.sizes:
+        side = math.isqrt(n)
+        if side * side != n:
+            parser.error(f"--sizes: {n} is not a square number of tokens")
+        if side < max(args.block_grid):
+            parser.error(f"--sizes: {n} tokens ({side}x{side}) cannot be cut into {args.block_grid} blocks")
+    return args
+
+
+def build_call(method: str, n: int, mode: str, args) -> tuple:
+    """Inputs for one measurement and a function running one forward (or forward + backward)."""
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    shape = (args.batch_size, args.heads, n, args.head_dim)
+    train = mode == "train"
+    gen = torch.Generator().manual_seed(0)
+    if method == "sdpa":
+        q, k = (torch.randn(shape, generator=gen) for _ in range(2))
+    else:
+        q, k = (torch.rand(shape, generator=gen) for _ in range(2))
+    v = torch.randn(shape, generator=gen)
+    inputs = [t.to(device, dtype).requires_grad_(train) for t in (q, k, v)]
+    grad_out = torch.randn(shape, generator=gen).to(device, dtype)
+    side = math.isqrt(n)
+
+    if method == "sdpa":
+        def attend():
+            return F.scaled_dot_product_attention(*inputs)
+    elif method == "linear":
+        def attend():
+            return linear_attention(*inputs)
+    else:
+        layout = block_layout((side, side), tuple(args.block_grid))
+        mixing = torch.full((layout.num_blocks,) * 2, 1.0 / layout.num_blocks, device=device, requires_grad=train)
+        key_mask = None if layout.evenly_divided else layout.mask[None].to(device)
+        if method == "mhla":
+            inputs = [layout.to_blocks(t.detach()).requires_grad_(train) for t in inputs]
+            grad_out = layout.to_blocks(grad_out)
+        inputs.append(mixing)
+
+        def attend():
+            if method == "mhla":
+                return mhla_attention(*inputs, key_mask=key_mask)
+            q_, k_, v_ = (layout.to_blocks(t) for t in inputs[:3])
+            return layout.from_blocks(mhla_attention(q_, k_, v_, mixing, key_mask=key_mask))
+
+    if not train:
+        def call():
+            with torch.no_grad():
+                return attend()
+    else:
+        def call():
+            for t in inputs:
+                t.grad = None
+            attend().backward(grad_out)
+    return call
+
+
+def run_worker(args) -> float:
+    """Peak memory (MiB) of one call in this fresh process, after a warm-up on a small grid."""
+    method, n, mode = args.worker[0], int(args.worker[1]), args.worker[2]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return_freed_memory()
+    build_call(method, (2 * max(args.block_grid)) ** 2, mode, args)()
+    return peak_memory(build_call(method, n, mode, args), torch.device(args.device)) / 2 ** 20
+
+
+def setup(args) -> None:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not args.system_malloc:
+        keep_freed_memory()
+
+
+def measure_memory(args, method: str, n: int, mode: str) -> float:
+    """Run one memory worker in a fresh process and return its peak (MiB)."""
+    cmd = [sys.executable, __file__, "--worker", method, str(n), mode, "--batch-size", str(args.batch_size),
+           "--heads", str(args.heads), "--head-dim", str(args.head_dim), "--block-grid", *map(str, args.block_grid),
+           "--device", args.device, "--dtype", args.dtype]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{method} N={n} {mode} failed:\n{proc.stderr[-2000:]}")
+    return float(proc.stdout.strip().splitlines()[-1])
+
+
+def measure_times(args, n: int) -> dict:
+    """Median time (ms) and spread of every (method, mode) at N, timed in interleaved rounds.
+
+    Interleaving puts every method under the same drift of a noisy machine; each round gives a
+    median over ``min_run_time / rounds`` seconds, and the result is the median of the rounds.
+    """
+    calls = {(m, mode): build_call(m, n, mode, args) for m in args.methods for mode in MODES}
+    for call in calls.values():
+        call()
+    rounds = {key: [] for key in calls}
+    for _ in range(args.rounds):
+        for key, call in calls.items():
+            rounds[key].append(time_call(call, args.min_run_time / args.rounds).median_ms)
+    result = {}
+    for key, times in rounds.items():
+        median = statistics.median(times)
+        result[key] = (median, (max(times) - min(times)) / median)
+    return result
+
+
+def markdown_table(rows: list[dict], methods: list[str], sizes: list[int]) -> str:
+    """One line per N: forward time, forward + backward time and training peak memory of every method."""
+    by_key = {(r["method"], r["n"], r["mode"]): r for r in rows}
+    header = ["N"] + [f"{m} fwd ms" for m in methods] + [f"{m} fwd+bwd ms" for m in methods] + \
+             [f"{m} fwd+bwd MiB" for m in methods]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for n in sizes:
+        cells = [str(n)]
+        cells += [f"{by_key[(m, n, 'forward')]['time_ms']:.2f}" for m in methods]
+        cells += [f"{by_key[(m, n, 'train')]['time_ms']:.2f}" for m in methods]
+        cells += [f"{by_key[(m, n, 'train')]['peak_mib']:.1f}" for m in methods]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def targets(rows: list[dict]) -> list[tuple[str, float, str, bool]]:
+    """The issue's targets that the measured methods and sizes allow: (name, value, goal, met)."""
+    by_key = {(r["method"], r["n"], r["mode"]): r for r in rows}
+    sizes = sorted({r["n"] for r in rows})
+    result = []
+    for n in sizes:
+        for mode in MODES:
+            if ("mhla", n, mode) in by_key and ("linear", n, mode) in by_key:
+                ratio = by_key[("mhla", n, mode)]["time_ms"] / by_key[("linear", n, mode)]["time_ms"]
+                result.append((f"MHLA / linear time, N={n}, {mode}", ratio, "<= 1.25", ratio <= 1.25))
+    if ("sdpa", 4096, "train") in by_key and ("mhla", 4096, "train") in by_key:
+        ratio = by_key[("sdpa", 4096, "train")]["time_ms"] / by_key[("mhla", 4096, "train")]["time_ms"]
+        result.append(("SDPA / MHLA time, N=4096, train", ratio, ">= 20", ratio >= 20))
+    for mode in MODES:
+        if ("sdpa", 196, mode) in by_key and ("mhla", 196, mode) in by_key:
+            ratio = by_key[("mhla", 196, mode)]["time_ms"] / by_key[("sdpa", 196, mode)]["time_ms"]
+            result.append((f"MHLA / SDPA time, N=196, {mode}", ratio, "<= 1.3", ratio <= 1.3))
+    if ("mhla", 16384, "train") in by_key and ("mhla", 1024, "train") in by_key:
+        ratio = by_key[("mhla", 16384, "train")]["peak_mib"] / by_key[("mhla", 1024, "train")]["peak_mib"]
+        result.append(("MHLA peak memory N=16384 / N=1024, train", ratio, "<= 20", ratio <= 20))
+    return result
+
+
+def plot(rows: list[dict], methods: list[str], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, mode in zip(axes, MODES, strict=True):
+        for method in methods:
+            points = sorted((r["n"], r["time_ms"]) for r in rows if r["method"] == method and r["mode"] == mode)
+            sizes, times = zip(*points, strict=True)
+            ax.plot(sizes, times, marker="o", label=method)
+        title = "forward" if mode == "forward" else "forward + backward"
+        ax.set(xscale="log", yscale="log", xlabel="tokens N", title=title)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("time (ms)")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        print(run_worker(args))
+        return
+    setup(args)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for n in args.sizes:
+        times = measure_times(args, n)
+        for method in args.methods:
+            for mode in MODES:
+                peak = measure_memory(args, method, n, mode)
+                time_ms, spread = times[(method, mode)]
+                rows.append(dict(method=method, n=n, mode=mode, time_ms=time_ms, spread=spread, peak_mib=peak))
+                print(f"{method:>11} N={n:<6} {mode:<7} {time_ms:10.2f} ms (spread {spread:4.0%}) {peak:9.1f} MiB",
+                      file=sys.stderr)
+    with open(args.out_dir / "attention_benchmark.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    setting = (f"B={args.batch_size}, H={args.heads}, D={args.head_dim}, M={args.block_grid[0] * args.block_grid[1]}, "
+               f"{args.device}, {args.dtype}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    table = markdown_table(rows, args.methods, args.sizes)
+    goals = ["| target | measured | goal | met |", "|---|---|---|---|"]
+    for name, value, goal, met in targets(rows):
+        goals.append(f"| {name} | {value:.2f} | {goal} | {'yes' if met else 'no'} |")
+    report = f"{setting}\n\n{table}\n\n" + "\n".join(goals) + "\n"
+    (args.out_dir / "attention_benchmark.md").write_text(report)
+    if not args.no_plot:
+        plot(rows, args.methods, args.out_dir / "attention_benchmark.png")
+    print(report)
+
+
+if __name__ == "__main__":
+    main()
