@@ -136,7 +136,7 @@ class LinearAttention(nn.Module):
 class MultiHeadLinearAttention(LinearAttention):
     """MHLA: linear attention over M token blocks with a learnable mixing of the block summaries.
 
-    Takes every argument of ``LinearAttention``, and:
+    Takes every argument of ``LinearAttention`` (``*args`` and ``**kwargs`` are passed on to it), and:
 
     Args:
         block_grid: ``(bh, bw)`` blocks, M = bh * bw (paper: 4 x 4).
@@ -156,13 +156,7 @@ class MultiHeadLinearAttention(LinearAttention):
             self,
             dim: int,
             num_heads: int = 8,
-            qkv_bias: bool = False,
-            qk_norm: bool = False,
-            proj_bias: bool = True,
-            attn_drop: float = 0.,
-            proj_drop: float = 0.,
-            norm_layer: type[nn.Module] | None = None,
-            *,
+            *args,
             block_grid: tuple[int, int] = (4, 4),
             block_mode: str = "balanced",
             transform: str = "linear",
@@ -173,7 +167,7 @@ class MultiHeadLinearAttention(LinearAttention):
             normalizer: str = "paper",
             **kwargs,
     ) -> None:
-        super().__init__(dim, num_heads, qkv_bias, qk_norm, proj_bias, attn_drop, proj_drop, norm_layer, **kwargs)
+        super().__init__(dim, num_heads, *args, **kwargs)
         if block_mode not in MODES:
             raise ValueError(f"unknown block_mode {block_mode!r}; expected one of {MODES}")
         if normalizer not in NORMALIZERS:
