@@ -29,6 +29,13 @@ from .ops import NORMALIZERS, linear_attention, mhla_attention
 __all__ = ["LinearAttention", "MultiHeadLinearAttention"]
 
 
+def _norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Apply ``norm`` in its weight's dtype (fp32 under autocast), as RMSNorm has no mixed-dtype kernel."""
+    if isinstance(norm, nn.RMSNorm) and norm.weight is not None:
+        x = x.to(norm.weight.dtype)
+    return norm(x)
+
+
 class LinearAttention(nn.Module):
     """Plain ReLU linear attention (one global summary per head), the paper's baseline.
 
@@ -116,8 +123,8 @@ class LinearAttention(nn.Module):
             raise ValueError(f"{type(self).__name__} supports neither attn_mask nor is_causal")
         grid = self.token_grid(x.shape[1])
         q, k, v = self.qkv(x).chunk(3, dim=-1)  # [B, N, C] each
-        q = F.relu(self.q_norm(q)) + self.eps
-        k = F.relu(self.k_norm(k)) + self.eps
+        q = F.relu(_norm(self.q_norm, q)) + self.eps
+        k = F.relu(_norm(self.k_norm, k)) + self.eps
         out = self._attend(q, k, v, grid)  # [B, N, C]
         if self.lepe is not None:
             lepe = self.lepe(v[:, self.num_prefix_tokens:], grid)  # [B, N - P, C]

@@ -1,4 +1,6 @@
 """The attention modules: equal to the naive references, prefix-token semantics, timm drop-in, errors."""
+import warnings
+
 import pytest
 import timm
 import torch
@@ -161,7 +163,8 @@ def test_masks_are_refused():
 def test_bf16_autocast_forward_and_backward():
     module = MultiHeadLinearAttention(48, 3, qk_norm=True)
     x = torch.randn(2, 196, 48)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no mixed-dtype fallbacks
         out = module(x)
     assert out.dtype == torch.bfloat16
     assert rel_rms(out.float(), module(x)) < 3e-2
