@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .blocks import MODES, block_layout
+from .blocks import MODES, BlockLayout, block_layout
 from .lepe import LePE
 from .mixing import MixingMatrix
 from .ops import NORMALIZERS, linear_attention, mhla_attention
@@ -188,10 +188,19 @@ class MultiHeadLinearAttention(LinearAttention):
             self.block_grid, transform, mixing_norm, mixing_sigma,
             learnable=learnable_mixing, constrain=constrain_mixing,
             device=kwargs.get("device"), dtype=kwargs.get("dtype"))
+        self._layouts: dict[tuple[int, int], BlockLayout] = {}
         if self.grid_size is not None:
             self._layout(self.grid_size)
 
-    def _layout(self, grid: tuple[int, int]):
+    def _layout(self, grid: tuple[int, int]) -> BlockLayout:
+        """The block layout of a token grid, built once per grid (outside any torch.compile graph)."""
+        layout = self._layouts.get(grid)
+        if layout is None:
+            layout = self._layouts[grid] = self._build_layout(grid)
+        return layout
+
+    @torch.compiler.disable
+    def _build_layout(self, grid: tuple[int, int]) -> BlockLayout:
         layout = block_layout(grid, self.block_grid, self.block_mode, self.num_prefix_tokens)
         if self.normalizer == "official" and not layout.evenly_divided:
             raise ValueError(

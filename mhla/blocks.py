@@ -52,6 +52,7 @@ class BlockLayout:
         inverse: ``[N]`` slot of each token, N = P + gh * gw.
         mask: ``[M + G, T]`` bool, True where a slot holds a real token.
         block_ids: ``[N]`` block of each token (prefix blocks numbered M..M+G-1).
+        evenly_divided: True when every slot holds a real token (no mask needed).
     """
 
     grid_size: tuple[int, int]
@@ -64,15 +65,12 @@ class BlockLayout:
     inverse: torch.Tensor
     mask: torch.Tensor
     block_ids: torch.Tensor
+    evenly_divided: bool
 
     @property
     def num_tokens(self) -> int:
         return self.inverse.numel()
 
-    @property
-    def evenly_divided(self) -> bool:
-        """True when every slot holds a real token."""
-        return bool(self.mask.all())
 
     def to_blocks(self, x: torch.Tensor, dim: int = -2) -> torch.Tensor:
         """``[..., N, ...]`` tokens along ``dim`` -> ``[..., M + G, T, ...]`` block-major (a copy)."""
@@ -143,4 +141,5 @@ def block_layout(
         inverse=inverse,
         mask=mask,
         block_ids=block_ids,
+        evenly_divided=bool(mask.all()),
     )

@@ -75,11 +75,11 @@ def mixing_init(
 class MixingMatrix(nn.Module):
     """Learnable mixing matrix kept in [0, 1].
 
-    ``forward()`` returns W ``[M, M]``. With ``constrain=True`` the parameter is projected onto
-    [0, 1] (clipped in place) the first time it is used after it changed, i.e. once after every
-    optimizer step (or EMA update, or state-dict load): the paper's "clip on every update",
-    owned by the module. Several forwards between two updates project once, so gradients of
-    all of them stay valid.
+    ``forward()`` returns W ``[M, M]``. With ``constrain=True`` it first projects the parameter onto
+    [0, 1] in place (a no-op unless an optimizer step, EMA update or state-dict load moved it out):
+    the paper's "clip on every update", owned by the module, so no training loop has to do it. The
+    gradient is taken at the projected point, as in projected gradient descent. W is returned as a
+    copy, so a later projection never invalidates a graph that still needs the W it used.
 
     Args:
         block_grid: ``(bh, bw)``.
@@ -106,18 +106,13 @@ class MixingMatrix(nn.Module):
         self.constrain = constrain
         self.weight = nn.Parameter(init.to(device=device, dtype=dtype or torch.get_default_dtype()),
                                    requires_grad=learnable)
-        self._projected_version = -1
 
     def forward(self) -> torch.Tensor:
-        if self.constrain and self.weight._version != self._projected_version:
-            self._project()
-        return self.weight
-
-    @torch.compiler.disable
-    def _project(self) -> None:
+        if not self.constrain:
+            return self.weight
         with torch.no_grad():
             self.weight.clamp_(0.0, 1.0)
-        self._projected_version = self.weight._version
+        return self.weight.clone()
 
     def extra_repr(self) -> str:
         return f"block_grid={self.block_grid}, constrain={self.constrain}, learnable={self.weight.requires_grad}"
