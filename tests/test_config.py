@@ -1,0 +1,73 @@
+"""Config loading and validation, and train.py's refusal of bad configs before any work."""
+import pytest
+import yaml
+from helpers import make_image_folder, run_train, tiny_config
+
+from mhla.config import DEFAULTS, ConfigError, load_config
+
+
+def write(path, data):
+    path.write_text(yaml.safe_dump(data) if isinstance(data, dict) else data)
+    return path
+
+
+def test_defaults_base_chain_and_overrides(tmp_path):
+    write(tmp_path / "base.yaml", "epochs: 7\noptim:\n  lr: 5e-4\n  weight_decay: 0.1\n")
+    write(tmp_path / "child.yaml", "base: base.yaml\noptim:\n  weight_decay: 1e-2\n")
+    config = load_config(tmp_path / "child.yaml", ["data.img_size=32", "sched.min_lr=1e-7"])
+    assert config["epochs"] == 7
+    assert config["optim"]["lr"] == 5e-4 and isinstance(config["optim"]["lr"], float)
+    assert config["optim"]["weight_decay"] == 0.01
+    assert config["optim"]["betas"] == DEFAULTS["optim"]["betas"]
+    assert config["data"]["img_size"] == 32 and config["sched"]["min_lr"] == 1e-7
+    assert config["run_name"] == "child"
+
+
+def test_model_kwargs_are_replaced_not_merged(tmp_path):
+    write(tmp_path / "base.yaml", "model:\n  kwargs: {block_grid: [2, 2], depth: 4}\n")
+    write(tmp_path / "child.yaml", "base: base.yaml\nmodel:\n  kwargs: {depth: 2}\n")
+    assert load_config(tmp_path / "child.yaml")["model"]["kwargs"] == {"depth": 2}
+
+
+@pytest.mark.parametrize("content,overrides,match", [
+    ("optim:\n  lrr: 1\n", [], "unknown key 'optim.lrr' \\(from .*bad.yaml\\); did you mean 'optim.lr'\\?"),
+    ("epochs: ten\n", [], "epochs: expected int, got str 'ten' \\(from .*bad.yaml\\)"),
+    ("optim:\n  lr: -1\n", [], "optim.lr: -1 is out of range \\(must be > 0\\)"),
+    ("data:\n  dataset: imagenette\n", [], "data.dataset: 'imagenette' is not one of"),
+    ("ema:\n  enabled: 1\n", [], "ema.enabled: expected bool"),
+    ("", ["optim.lr=abc"], "optim.lr: expected float, got str 'abc' \\(from --set\\)"),
+    ("", ["optim"], "--set 'optim': expected key=value"),
+    ("aug:\n  scale: [0.1]\n", [], "aug.scale: expected two numbers"),
+    ("base: missing.yaml\n", [], "missing.yaml does not exist"),
+    ("epochs: [1\n", [], "not valid YAML"),
+])
+def test_bad_values_name_the_key_and_the_file(tmp_path, content, overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(write(tmp_path / "bad.yaml", content), overrides)
+
+
+@pytest.mark.parametrize("sections,overrides,match", [
+    ({}, ["model.name=deit_tiny_mhlaa"], "model.name: unknown model 'deit_tiny_mhlaa' \\(from --set\\); did you mean"),
+    ({}, ["data.root=/nonexistent/imagenet"], "data.root: /nonexistent/imagenet/train is not a directory"),
+    ({}, ["data.dataset=cifar10", "data.root=/nonexistent/cifar"], "set data.download: true"),
+    ({}, ["optim.lrr=1"], "unknown key 'optim.lrr' \\(from --set\\); did you mean 'optim.lr'"),
+    ({}, ["data.batch_size=6", "optim.accum_steps=4"], "data.batch_size: 6 is not divisible"),
+    ({"aug": {"mixup": 0.8}}, ["data.batch_size=3"], "must be even with mixup"),
+])
+def test_train_refuses_bad_configs_before_any_work(tmp_path, sections, overrides, match):
+    config = tiny_config(tmp_path, make_image_folder(tmp_path / "data"), **sections)
+    args = ["--config", str(config)] + [x for o in overrides for x in ("--set", o)]
+    proc = run_train(*args, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and __import__("re").search(match, lines[0]), proc.stderr
+    assert not (tmp_path / "output").exists()
+
+
+def test_missing_config_and_missing_resume(tmp_path):
+    proc = run_train("--config", str(tmp_path / "none.yaml"), timeout=120)
+    assert proc.returncode == 2 and "config file" in proc.stderr and "does not exist" in proc.stderr
+    config = tiny_config(tmp_path, make_image_folder(tmp_path / "data"))
+    proc = run_train("--config", str(config), "--resume", str(tmp_path / "nope.pth"), timeout=120)
+    assert proc.returncode == 2 and "--resume: checkpoint" in proc.stderr
