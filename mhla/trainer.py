@@ -1,0 +1,235 @@
+"""A training run from a validated config: model, data, recipe, epochs, checkpoints, resume.
+
+Everything is timm's: ``create_model``, ``create_transform``, ``Mixup`` with ``SoftTargetCrossEntropy``,
+``create_optimizer_v2``, ``create_scheduler_v2`` (stepped per update), ``ModelEmaV3``. The model
+registrations must be imported by the caller (``import models``), as ``train.py`` does.
+"""
+import contextlib
+import dataclasses
+import functools
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import timm
+import torch
+import torch.distributed as dist
+from timm.data import Mixup, resolve_data_config
+from timm.loss import SoftTargetCrossEntropy
+from timm.optim import create_optimizer_v2
+from timm.scheduler import create_scheduler_v2
+from timm.utils import ModelEmaV3
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Subset
+
+from .checkpoint import get_rng_state, load_checkpoint, save_atomic, set_rng_state
+from .data import EpochSampler, build_datasets, collate_skipping, shard_indices
+from .distributed import DistInfo, init_distributed
+from .engine import TrainState, evaluate, train_one_epoch
+from .run_log import MetricsLog, start_wandb, write_run_info
+
+__all__ = ["resolve_resume", "run"]
+
+
+def resolve_resume(resume: str | None, run_dir: Path) -> Path | None:
+    """``auto``: the run's ``last.pth`` if there is one; a path: that file; None: a fresh run."""
+    if resume is None:
+        return None
+    if resume == "auto":
+        path = run_dir / "last.pth"
+        return path if path.is_file() else None
+    return Path(resume)
+
+
+def _seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2 ** 32)
+    torch.manual_seed(seed)
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    model = getattr(model, "_orig_mod", model)
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def _gather_rng(info: DistInfo) -> list:
+    state = get_rng_state()
+    if not info.distributed:
+        return [state]
+    states = [None] * info.world_size
+    dist.all_gather_object(states, state)
+    return states
+
+
+class _Run:
+    """The objects of one run and how to checkpoint them."""
+
+    def __init__(self, config: dict, info: DistInfo, run_dir: Path) -> None:
+        self.config, self.info, self.run_dir = config, info, run_dir
+        data, aug, optim = config["data"], config["aug"], config["optim"]
+        _seed(config["seed"])
+        name = config["model"]["name"]
+        data_cfg = resolve_data_config({}, pretrained_cfg=timm.get_pretrained_cfg(name).to_dict())
+        train_set, val_set, num_classes = build_datasets(data, aug, data_cfg, config["seed"])
+        self.train_set = train_set
+        world, accum = info.world_size, optim["accum_steps"]
+        batch = data["batch_size"] // (world * accum)
+        val_batch = max(1, (data["val_batch_size"] or data["batch_size"]) // world)
+        self.sampler = EpochSampler(len(train_set), batch, world, info.rank, config["seed"])
+        loader_args = dict(num_workers=data["workers"], collate_fn=collate_skipping,
+                           pin_memory=info.device.type == "cuda")
+        self.train_loader = DataLoader(train_set, batch_size=batch, sampler=self.sampler,
+                                       generator=torch.Generator(), **loader_args)
+        self.val_loader = DataLoader(Subset(val_set, shard_indices(len(val_set), world, info.rank)),
+                                     batch_size=val_batch, shuffle=False, **loader_args)
+
+        model = timm.create_model(name, num_classes=num_classes, img_size=data["img_size"],
+                                  drop_path_rate=config["model"]["drop_path"], **config["model"]["kwargs"])
+        self.model = model.to(info.device)
+        self.optimizer = create_optimizer_v2(self.model, opt=optim["name"], lr=optim["lr"],
+                                             weight_decay=optim["weight_decay"], betas=tuple(optim["betas"]),
+                                             eps=optim["eps"])
+        updates_per_epoch = max(1, self.sampler.batches_per_epoch // accum)
+        sched = config["sched"]
+        self.scheduler, _ = create_scheduler_v2(
+            self.optimizer, sched=sched["name"], num_epochs=config["epochs"], warmup_epochs=sched["warmup_epochs"],
+            warmup_lr=sched["warmup_lr"], min_lr=sched["min_lr"], step_on_epochs=False,
+            updates_per_epoch=updates_per_epoch)
+        self.ema = ModelEmaV3(self.model, decay=config["ema"]["decay"]) if config["ema"]["enabled"] else None
+        self.mixup = None
+        if aug["mixup"] > 0 or aug["cutmix"] > 0:
+            self.mixup = Mixup(mixup_alpha=aug["mixup"], cutmix_alpha=aug["cutmix"], prob=aug["mixup_prob"],
+                               switch_prob=aug["mixup_switch_prob"], label_smoothing=aug["label_smoothing"],
+                               num_classes=num_classes)
+            self.criterion = SoftTargetCrossEntropy()
+        else:
+            self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=aug["label_smoothing"])
+        amp = config["amp"]
+        use_amp = amp["enabled"] and info.device.type == "cuda"
+        dtype = torch.bfloat16 if amp["dtype"] == "bfloat16" else torch.float16
+        self.autocast = (functools.partial(torch.autocast, "cuda", dtype=dtype) if use_amp
+                         else contextlib.nullcontext)
+        self.scaler = torch.amp.GradScaler("cuda") if use_amp and dtype == torch.float16 else None
+        self.train_model = self.model
+        if info.distributed:
+            self.train_model = DistributedDataParallel(
+                self.model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
+        if config["compile"]:
+            self.train_model = torch.compile(self.train_model)
+        self.state = TrainState()
+        self.metrics = MetricsLog(run_dir)
+
+    def state_dict(self, rng: list) -> dict:
+        return {
+            "model": _unwrap(self.model).state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "ema": self.ema.state_dict() if self.ema is not None else None,
+            "state": dataclasses.asdict(self.state),
+            "rng": rng,
+            "model_name": self.config["model"]["name"],
+            "config": {k: v for k, v in self.config.items() if not k.startswith("_")},
+        }
+
+    def load_state_dict(self, checkpoint: dict) -> None:
+        _unwrap(self.model).load_state_dict(checkpoint["model"])
+        self.optimizer.load_state_dict(checkpoint["optimizer"])
+        self.scheduler.load_state_dict(checkpoint["scheduler"])
+        if self.scaler is not None and checkpoint["scaler"] is not None:
+            self.scaler.load_state_dict(checkpoint["scaler"])
+        if self.ema is not None and checkpoint["ema"] is not None:
+            self.ema.load_state_dict(checkpoint["ema"])
+        self.state = TrainState(**checkpoint["state"])
+        rng = checkpoint["rng"]
+        if len(rng) == self.info.world_size:
+            set_rng_state(rng[self.info.rank])
+        else:
+            _seed(self.config["seed"] + 1_000_003 * self.state.step + self.info.rank)
+
+    def save(self, name: str) -> None:
+        rng = _gather_rng(self.info)  # a collective: every process takes part
+        if self.info.is_main:
+            save_atomic(self.state_dict(rng), self.run_dir / name)
+
+    def on_step(self, state: TrainState) -> None:
+        interval = self.config["checkpoint"]["interval_steps"]
+        if interval and state.step % interval == 0 and state.batch_in_epoch < self.sampler.batches_per_epoch:
+            self.save("last.pth")  # mid-epoch; the epoch's end saves anyway
+
+    def epoch_end(self, epoch_time: float) -> dict:
+        val = evaluate(self.train_model, self.val_loader, self.info, self.autocast)
+        row = {"epoch": self.state.epoch, "step": self.state.step,
+               "train_loss": self.state.loss_sum / max(self.state.samples, 1), "val_loss": val["loss"],
+               "val_top1": val["top1"], "val_top5": val["top5"], "val_images": val["count"],
+               "lr": self.optimizer.param_groups[0]["lr"], "epoch_time_s": epoch_time,
+               "skipped_images": self.state.skipped}
+        if self.ema is not None:
+            ema_val = evaluate(self.ema.module, self.val_loader, self.info, self.autocast)
+            row.update(ema_val_top1=ema_val["top1"], ema_val_top5=ema_val["top5"])
+        is_best = val["top1"] > self.state.best_top1
+        if is_best:
+            self.state.best_top1 = val["top1"]
+        if self.info.is_main:
+            self.metrics.write(row)
+        epoch = self.state.epoch
+        self.state = dataclasses.replace(self.state, epoch=epoch + 1, batch_in_epoch=0, loss_sum=0.0, samples=0,
+                                         skipped=0)
+        self.save("last.pth")
+        if self.info.is_main:
+            if is_best:
+                save_atomic(torch.load(self.run_dir / "last.pth", weights_only=True), self.run_dir / "best.pth")
+            self._keep_snapshots(epoch)
+        return row
+
+    def _keep_snapshots(self, epoch: int) -> None:
+        keep = self.config["checkpoint"]["keep"]
+        if not keep:
+            return
+        save_atomic(torch.load(self.run_dir / "last.pth", weights_only=True), self.run_dir / f"epoch_{epoch:04d}.pth")
+        for old in sorted(self.run_dir.glob("epoch_*.pth"))[:-keep]:
+            old.unlink()
+
+
+def run(config: dict, resume: str | None = None, argv: list[str] | None = None) -> list[dict]:
+    """Train as ``config`` says (validated by ``mhla.config``); returns the epoch metrics rows."""
+    info = init_distributed(config["device"])
+    run_dir = Path(config["output_dir"]) / config["run_name"]
+    resume_path = resolve_resume(resume, run_dir)
+    checkpoint = load_checkpoint(resume_path) if resume_path is not None else None
+    if info.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_run_info(run_dir, config, argv or sys.argv)
+    trainer = _Run(config, info, run_dir)
+    if checkpoint is not None:
+        trainer.load_state_dict(checkpoint)
+    wandb_run = start_wandb(config, run_dir, trainer.state.wandb_id) if info.is_main else None
+    if wandb_run is not None:
+        trainer.state.wandb_id = wandb_run.id
+    rows = []
+    try:
+        while trainer.state.epoch < config["epochs"]:
+            trainer.train_set.epoch = trainer.state.epoch
+            trainer.sampler.set_epoch(trainer.state.epoch, start_batch=trainer.state.batch_in_epoch)
+            start = time.perf_counter()
+            train_one_epoch(
+                trainer.train_model, trainer.train_loader, trainer.optimizer, trainer.scheduler, trainer.criterion,
+                trainer.state, info, mixup=trainer.mixup, ema=trainer.ema, scaler=trainer.scaler,
+                autocast=trainer.autocast, accum_steps=config["optim"]["accum_steps"],
+                clip_grad=config["optim"]["clip_grad"], on_step=trainer.on_step,
+                log_interval=config["log"]["interval"])
+            row = trainer.epoch_end(time.perf_counter() - start)
+            rows.append(row)
+            if info.is_main:
+                print(" ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
+                      file=sys.stderr, flush=True)
+            if wandb_run is not None:
+                wandb_run.log(row, step=row["step"])
+    finally:
+        if wandb_run is not None:
+            wandb_run.finish()
+        if info.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+    return rows
