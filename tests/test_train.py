@@ -85,3 +85,16 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     failed_step = int(message[0].split(" at step ")[1].split()[0])
     last = torch.load(tmp_path / "output" / "config" / "last.pth", weights_only=True)
     assert last["state"]["step"] == failed_step - 1
+
+
+def test_gradient_accumulation_matches_one_large_batch(tmp_path):
+    config = tiny_config(tmp_path, make_image_folder(tmp_path / "data"), epochs=1, data={"batch_size": 8},
+                         ema={"enabled": False}, optim={"lr": 1e-3, "clip_grad": 1.0})
+    for name, accum in (("whole", 1), ("accumulated", 2)):
+        proc = run_train("--config", str(config), "--set", f"run_name={name}", "--set", f"optim.accum_steps={accum}")
+        assert proc.returncode == 0, proc.stderr
+    whole, accumulated = (torch.load(tmp_path / "output" / n / "last.pth", weights_only=True)
+                          for n in ("whole", "accumulated"))
+    assert whole["state"]["step"] == accumulated["state"]["step"] == 3
+    for name, value in whole["model"].items():
+        torch.testing.assert_close(accumulated["model"][name], value, rtol=1e-4, atol=1e-6, msg=name)
