@@ -1,8 +1,11 @@
 """Config loading and validation, and train.py's refusal of bad configs before any work."""
+import re
+
 import pytest
 import yaml
 from helpers import make_image_folder, run_train, tiny_config
 
+import train
 from mhla.config import DEFAULTS, ConfigError, load_config
 
 
@@ -54,14 +57,20 @@ def test_bad_values_name_the_key_and_the_file(tmp_path, content, overrides, matc
     ({}, ["data.batch_size=6", "optim.accum_steps=4"], "data.batch_size: 6 is not divisible"),
     ({"aug": {"mixup": 0.8}}, ["data.batch_size=3"], "must be even with mixup"),
 ])
-def test_train_refuses_bad_configs_before_any_work(tmp_path, sections, overrides, match):
+def test_train_refuses_bad_configs_before_any_work(tmp_path, capsys, sections, overrides, match):
     config = tiny_config(tmp_path, make_image_folder(tmp_path / "data"), **sections)
     args = ["--config", str(config)] + [x for o in overrides for x in ("--set", o)]
-    proc = run_train(*args, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and __import__("re").search(match, lines[0]), proc.stderr
+    assert train.main(args) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and re.search(match, lines[0]), lines
+    assert not (tmp_path / "output").exists()
+
+
+def test_bad_config_from_the_command_line_has_no_traceback(tmp_path):
+    config = tiny_config(tmp_path, make_image_folder(tmp_path / "data"))
+    proc = run_train("--config", str(config), "--set", "optim.lrr=1", timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: unknown key 'optim.lrr'")
     assert not (tmp_path / "output").exists()
 
 
