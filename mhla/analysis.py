@@ -1,0 +1,122 @@
+"""Attention-diversity analysis: capture q, k, v per layer and build each head's N x N attention matrix.
+
+``capture_attention(model, images)`` runs the model once with hooks on every attention layer's
+``qkv`` projection (its output) and ``proj`` (its input: the attention output before the
+projection). From q, k, v the naive references of ``mhla.naive`` build the matrix A exactly as
+MHLA.md defines it, for MHLA, plain linear attention and timm's softmax ``Attention`` (fused or
+not: the hooks sit outside the attention kernel). The LePE term of the linear attentions is left
+out of A: it is a per-channel convolution, not a mixing of tokens shared by a head's channels.
+
+Metrics per layer and head: numerical rank (float64 SVD; tolerance below), mean row entropy in
+nats, and the fraction of negative entries clipped before the entropy (0 for every kind here).
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import LinearAttention, MultiHeadLinearAttention, _norm
+from .naive import linear_attention_matrix, mhla_attention_matrix, softmax_attention_matrix
+
+__all__ = ["LayerCapture", "attention_matrix", "capture_attention", "matrix_rank", "row_entropy"]
+
+
+@dataclass
+class LayerCapture:
+    """What one attention layer saw and produced in one forward.
+
+    Attributes:
+        module: the attention module.
+        q, k, v: ``[B, H, N, D]`` as the attention uses them (linear kinds: feature-mapped q, k).
+        out: ``[B, N, C]`` the attention output before the projection (LePE included).
+    """
+
+    module: nn.Module
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor | None = None
+
+    @property
+    def kind(self) -> str:
+        if isinstance(self.module, MultiHeadLinearAttention):
+            return "mhla"
+        return "linear" if isinstance(self.module, LinearAttention) else "softmax"
+
+
+def _is_attention(module: nn.Module) -> bool:
+    return isinstance(module, LinearAttention) or (
+        hasattr(module, "qkv") and hasattr(module, "proj") and hasattr(module, "num_heads"))
+
+
+def _split_qkv(module: nn.Module, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v ``[B, H, N, D]`` from the qkv projection's output, as ``module`` computes them."""
+    if isinstance(module, LinearAttention):
+        q, k, v = qkv.chunk(3, dim=-1)
+        q, k = F.relu(_norm(module.q_norm, q)) + module.eps, F.relu(_norm(module.k_norm, k)) + module.eps
+        return module.split_heads(q), module.split_heads(k), module.split_heads(v)
+    batch, tokens, _ = qkv.shape
+    q, k, v = qkv.reshape(batch, tokens, 3, module.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+    return module.q_norm(q), module.k_norm(k), v
+
+
+def capture_attention(model: nn.Module, images: torch.Tensor) -> list[LayerCapture]:
+    """Run ``model(images)`` once (no grad) and return one ``LayerCapture`` per attention layer, in order."""
+    captures: list[LayerCapture] = []
+    handles = []
+    for module in model.modules():
+        if not _is_attention(module):
+            continue
+
+        def on_qkv(_, __, output, module=module):
+            captures.append(LayerCapture(module, *(t.detach() for t in _split_qkv(module, output))))
+
+        def on_proj(_, inputs, module=module):
+            captures[-1].out = inputs[0].detach()
+
+        handles.append(module.qkv.register_forward_hook(on_qkv))
+        handles.append(module.proj.register_forward_pre_hook(on_proj))
+    try:
+        with torch.no_grad():
+            model(images)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return captures
+
+
+def attention_matrix(capture: LayerCapture, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The layer's attention matrix A ``[B, H, N, N]`` (LePE excluded), so that A @ v is the attention."""
+    q, k = capture.q.to(dtype), capture.k.to(dtype)
+    module = capture.module
+    if capture.kind == "softmax":
+        return softmax_attention_matrix(q, k, scale=module.scale)
+    if capture.kind == "linear":
+        return linear_attention_matrix(q, k, eps=module.eps)
+    layout = module._layout(module.token_grid(q.shape[-2]))
+    mixing = module.mixing().detach().to(dtype)
+    if layout.num_prefix_blocks:
+        mixing = F.pad(mixing, (0, layout.num_prefix_blocks, 0, layout.num_prefix_blocks), value=1.0)
+    return mhla_attention_matrix(q, k, mixing, layout.block_ids.to(q.device), normalizer=module.normalizer,
+                                 eps=module.eps)
+
+
+def matrix_rank(a: torch.Tensor, rtol: float | None = None) -> torch.Tensor:
+    """Numerical rank of each ``[..., N, N]`` matrix, in float64.
+
+    ``rtol=None`` is ``torch.linalg.matrix_rank``'s default: singular values above
+    ``sigma_max * N * eps(float64)``; a fixed ``rtol`` (e.g. 1e-3) counts those above ``rtol * sigma_max``.
+    """
+    return torch.linalg.matrix_rank(a.double(), rtol=rtol)
+
+
+def row_entropy(a: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Mean entropy (nats) of the rows of ``[..., N, N]``, each renormalised to sum 1, and the fraction of
+    entries that were negative and clipped to 0 first."""
+    a = a.double()
+    clipped = float((a < 0).double().mean())
+    p = a.clamp_min(0)
+    p = p / p.sum(-1, keepdim=True).clamp_min(1e-300)
+    entropy = -(p * torch.log(p.clamp_min(1e-300))).sum(-1)
+    return entropy.mean(-1), clipped
