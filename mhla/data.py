@@ -18,7 +18,7 @@ from torch.utils.data import Dataset, Sampler
 from torchvision.datasets import CIFAR10, CIFAR100, ImageFolder
 
 __all__ = ["AugmentedDataset", "BadImageError", "EpochSampler", "MNIST5k", "base_dataset", "build_datasets",
-           "collate_skipping", "eval_transform", "image_folder", "shard_indices"]
+           "SkimagePhotos", "collate_skipping", "eval_transform", "image_folder", "shard_indices"]
 
 
 class BadImageError(RuntimeError):
@@ -156,6 +156,26 @@ def shard_indices(size: int, num_replicas: int, rank: int) -> list[int]:
 def image_folder(path: str | Path) -> ImageFolder:
     """torchvision's ImageFolder whose loader names the file it cannot read (``BadImageError``)."""
     return ImageFolder(str(path), loader=_load_image)
+
+
+SKIMAGE_PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "hubble_deep_field", "immunohistochemistry", "retina")
+
+
+class SkimagePhotos(Dataset):
+    """The real RGB photos scikit-image ships (no download), as ``(PIL image, 0)``."""
+
+    classes = ["photo"]
+
+    def __init__(self, names: tuple[str, ...] = SKIMAGE_PHOTOS) -> None:
+        import skimage.data
+
+        self.images = [Image.fromarray(getattr(skimage.data, name)()).convert("RGB") for name in names]
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int) -> tuple[Image.Image, int]:
+        return self.images[index], 0
 
 
 def base_dataset(name: str, root: str | Path, train: bool, download: bool = False,

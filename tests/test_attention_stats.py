@@ -1,0 +1,38 @@
+"""scripts/attention_stats.py on real photos and on a plain folder of images."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+from helpers import ROOT
+from PIL import Image
+
+
+def run_stats(*args):
+    cmd = [sys.executable, str(ROOT / "scripts" / "attention_stats.py"), *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+def test_stats_of_three_kinds_on_photos(tmp_path):
+    proc = run_stats("--model", "deit_tiny_linear", "--model", "deit_tiny_mhla", "--dataset", "photos",
+                     "--num-images", 2, "--img-size", 160, "--out", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    linear, mhla = stats["deit_tiny_linear"], stats["deit_tiny_mhla"]
+    assert linear["num_tokens"] == mhla["num_tokens"] == 100 and linear["head_dim"] == 64
+    assert linear["num_images"] == 2 and len(linear["layers"]) == 12 and len(linear["layers"][0]["rank"]) == 3
+    assert linear["rank_mean"] <= 64 < mhla["rank_mean"]  # linear attention's rank is capped by the head dim
+    assert 0 < mhla["entropy_mean"] <= np.log(100) + 1e-9
+    assert "| deit_tiny_linear | 100 | 64 |" in proc.stdout and "58.4" in proc.stdout
+    assert (tmp_path / "rank_entropy.png").stat().st_size > 0 and (tmp_path / "per_layer.png").stat().st_size > 0
+
+
+def test_plain_folder_of_images(tmp_path):
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for i in range(3):
+        pixels = np.random.default_rng(i).integers(0, 255, (40, 50, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(folder / f"{i}.png")
+    proc = run_stats("--model", "deit_tiny_softmax", "--data-dir", folder, "--img-size", 64, "--out", tmp_path / "o")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "o" / "stats.json").read_text())["deit_tiny_softmax"]["num_images"] == 3
