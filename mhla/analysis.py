@@ -19,7 +19,7 @@ from torch import nn
 from .attention import LinearAttention, MultiHeadLinearAttention, _norm
 from .naive import linear_attention_matrix, mhla_attention_matrix, softmax_attention_matrix
 
-__all__ = ["LayerCapture", "attention_matrix", "capture_attention", "matrix_rank", "row_entropy"]
+__all__ = ["LayerCapture", "attention_map", "attention_matrix", "capture_attention", "matrix_rank", "row_entropy"]
 
 
 @dataclass
@@ -100,6 +100,13 @@ def attention_matrix(capture: LayerCapture, dtype: torch.dtype = torch.float64) 
         mixing = F.pad(mixing, (0, layout.num_prefix_blocks, 0, layout.num_prefix_blocks), value=1.0)
     return mhla_attention_matrix(q, k, mixing, layout.block_ids.to(q.device), normalizer=module.normalizer,
                                  eps=module.eps)
+
+
+def attention_map(capture: LayerCapture, query: int, grid: tuple[int, int]) -> torch.Tensor:
+    """Head-averaged attention of patch ``query`` (raster index) over the patch tokens, ``[B, gh, gw]``."""
+    prefix = getattr(capture.module, "num_prefix_tokens", 0)
+    a = attention_matrix(capture)[:, :, prefix + query, prefix:]  # [B, H, gh * gw]
+    return a.mean(1).unflatten(-1, grid)
 
 
 def matrix_rank(a: torch.Tensor, rtol: float | None = None) -> torch.Tensor:

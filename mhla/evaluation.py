@@ -9,7 +9,7 @@ from .checkpoint import load_checkpoint
 from .distributed import DistInfo
 from .engine import evaluate
 
-__all__ = ["WeightsError", "load_weights", "measure"]
+__all__ = ["WeightsError", "load_model_spec", "load_weights", "measure"]
 
 
 class WeightsError(ValueError):
@@ -57,6 +57,29 @@ def load_weights(model: torch.nn.Module, path, use_ema: bool = False) -> None:
             raise WeightsError(f"checkpoint {path}: {key} has shape {tuple(value.shape)}, the model expects "
                                f"{tuple(target[key].shape)}")
     model.load_state_dict(state)
+
+
+def load_model_spec(spec: str, img_size: int) -> torch.nn.Module:
+    """``NAME`` or ``NAME:CHECKPOINT`` -> a model in eval mode at ``img_size``.
+
+    A ``train.py`` checkpoint gives the model's kwargs (its config) and class count; a state dict
+    gives the class count. Call after the model registrations are imported.
+    """
+    import timm
+
+    name, _, path = spec.partition(":")
+    if not timm.is_model(name):
+        raise WeightsError(f"--model: unknown model {name!r}")
+    kwargs = {}
+    if path:
+        checkpoint = load_checkpoint(path)
+        if isinstance(checkpoint.get("config"), dict):
+            kwargs = dict(checkpoint["config"]["model"]["kwargs"])
+        kwargs["num_classes"] = checkpoint.get("model", checkpoint)["head.weight"].shape[0]
+    model = timm.create_model(name, img_size=img_size, **kwargs)
+    if path:
+        load_weights(model, path)
+    return model.eval()
 
 
 def measure(model: torch.nn.Module, loader, info: DistInfo, img_size: int, autocast) -> dict:

@@ -18,7 +18,6 @@ import json
 import sys
 from pathlib import Path
 
-import timm
 import torch
 from PIL import Image
 from timm.data import resolve_data_config
@@ -27,9 +26,9 @@ from tqdm import tqdm
 
 import models  # noqa: F401  (registers the models)
 from mhla.analysis import attention_matrix, capture_attention, matrix_rank, row_entropy
-from mhla.checkpoint import load_checkpoint
+from mhla.checkpoint import CheckpointError
 from mhla.data import AugmentedDataset, MNIST5k, SkimagePhotos, collate_skipping, eval_transform, image_folder
-from mhla.evaluation import load_weights
+from mhla.evaluation import WeightsError, load_model_spec
 
 PAPER = {"linear": (58.4, 5.12), "softmax": (254.8, 4.13), "mhla": (233.4, 4.06)}  # DeiT-T, 256 tokens
 
@@ -48,24 +47,6 @@ class ImageFiles(Dataset):
 
     def __getitem__(self, index: int):
         return Image.open(self.paths[index]).convert("RGB"), 0
-
-
-def load_model(spec: str, img_size: int) -> torch.nn.Module:
-    """``NAME`` or ``NAME:CHECKPOINT`` -> a model in eval mode at ``img_size``."""
-    name, _, path = spec.partition(":")
-    if not timm.is_model(name):
-        raise SystemExit(f"error: --model: unknown model {name!r}")
-    kwargs = {}
-    if path:
-        checkpoint = load_checkpoint(path)
-        if isinstance(checkpoint.get("config"), dict):
-            kwargs = dict(checkpoint["config"]["model"]["kwargs"])
-        weights = checkpoint.get("model", checkpoint)
-        kwargs["num_classes"] = weights["head.weight"].shape[0]
-    model = timm.create_model(name, img_size=img_size, **kwargs)
-    if path:
-        load_weights(model, path)
-    return model.eval()
 
 
 def images_for(args) -> Dataset:
@@ -162,7 +143,11 @@ def main(argv=None) -> int:
     base = images_for(args)
     results = {}
     for spec in args.model:
-        model = load_model(spec, args.img_size)
+        try:
+            model = load_model_spec(spec, args.img_size)
+        except (WeightsError, CheckpointError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         transform = eval_transform(args.img_size, resolve_data_config({}, model=model))
         data = Subset(AugmentedDataset(base, transform), range(min(args.num_images, len(base))))
         loader = DataLoader(data, batch_size=args.batch_size, collate_fn=collate_skipping)

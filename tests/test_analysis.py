@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import models  # noqa: F401  (registers the models)
-from mhla.analysis import attention_matrix, capture_attention, matrix_rank, row_entropy
+from mhla.analysis import attention_map, attention_matrix, capture_attention, matrix_rank, row_entropy
 from mhla.naive import mhla_attention_matrix
 
 
@@ -66,3 +66,13 @@ def test_block_diagonal_mhla_rank():
     a = mhla_attention_matrix(q[..., :8], k[..., :8], torch.eye(4, dtype=torch.float64), layout.block_ids)
     assert int(matrix_rank(a)) == 32
     assert int(matrix_rank(a, rtol=1e-3)) <= 32
+
+
+def test_attention_map_is_a_distribution_over_the_patch_grid():
+    model = timm.create_model("deit_tiny_mhla", img_size=64, depth=1, class_token=True, global_pool="token").eval()
+    capture = capture_attention(model, torch.randn(2, 3, 64, 64))[0]
+    heat = attention_map(capture, query=5, grid=(4, 4))
+    assert heat.shape == (2, 4, 4) and heat.min() >= 0
+    assert (heat.sum((1, 2)) < 1).all()  # the class token takes the rest of the row
+    full = attention_matrix(capture)[:, :, 1 + 5].mean(1)  # [B, N] with the class token first
+    torch.testing.assert_close(heat.flatten(1), full[:, 1:])

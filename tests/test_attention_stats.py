@@ -36,3 +36,16 @@ def test_plain_folder_of_images(tmp_path):
     proc = run_stats("--model", "deit_tiny_softmax", "--data-dir", folder, "--img-size", 64, "--out", tmp_path / "o")
     assert proc.returncode == 0, proc.stderr
     assert json.loads((tmp_path / "o" / "stats.json").read_text())["deit_tiny_softmax"]["num_images"] == 3
+
+
+def test_attention_maps_png(tmp_path):
+    out = tmp_path / "maps.png"
+    cmd = [sys.executable, str(ROOT / "scripts" / "attention_maps.py"), "--model", "deit_tiny_linear", "--model",
+           "deit_tiny_mhla", "--image", "astronaut", "--img-size", 64, "--query", 1, 2, "--out", out]
+    proc = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    image = Image.open(out)
+    assert image.size[0] > image.size[1] > 100  # a row per model, a column per layer
+    bad = subprocess.run(list(map(str, cmd[:-2] + ["--query", 9, 9, "--out", out])), capture_output=True, text=True,
+                         cwd=ROOT, timeout=300)
+    assert bad.returncode != 0 and "outside the 4x4 token grid" in bad.stderr
