@@ -5,7 +5,9 @@
 projection). From q, k, v the naive references of ``mhla.naive`` build the matrix A exactly as
 MHLA.md defines it, for MHLA, plain linear attention and timm's softmax ``Attention`` (fused or
 not: the hooks sit outside the attention kernel). The LePE term of the linear attentions is left
-out of A: it is a per-channel convolution, not a mixing of tokens shared by a head's channels.
+out of A by default; ``include_lepe=True`` adds it as a banded N x N matrix per head (``lepe_matrix``:
+the depthwise convolution written as a matrix, its kernels averaged over the head's channels, which
+is exact when they share one kernel).
 
 Metrics per layer and head: numerical rank (float64 SVD; tolerance below), mean row entropy in
 nats, and the fraction of negative entries clipped before the entropy (0 for every kind here).
@@ -19,7 +21,8 @@ from torch import nn
 from .attention import LinearAttention, MultiHeadLinearAttention, _norm
 from .naive import linear_attention_matrix, mhla_attention_matrix, softmax_attention_matrix
 
-__all__ = ["LayerCapture", "attention_map", "attention_matrix", "capture_attention", "matrix_rank", "row_entropy"]
+__all__ = ["LayerCapture", "attention_map", "attention_matrix", "capture_attention", "lepe_matrix", "matrix_rank",
+           "row_entropy"]
 
 
 @dataclass
@@ -86,8 +89,34 @@ def capture_attention(model: nn.Module, images: torch.Tensor) -> list[LayerCaptu
     return captures
 
 
-def attention_matrix(capture: LayerCapture, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """The layer's attention matrix A ``[B, H, N, N]`` (LePE excluded), so that A @ v is the attention."""
+def lepe_matrix(module: LinearAttention, grid: tuple[int, int], dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """LePE as banded matrices ``[H, P + N, P + N]`` over the whole sequence (zero rows/columns for the P
+    prefix tokens): entry (t, s) is the head-averaged kernel weight that token s gets in token t's
+    output. The bias is not included."""
+    conv = module.lepe.conv
+    gh, gw = grid
+    num = gh * gw
+    kernel = conv.weight.detach().to(dtype)[:, 0].unflatten(0, (module.num_heads, module.head_dim)).mean(1)
+    eye = torch.eye(num, dtype=dtype, device=kernel.device).view(num, 1, gh, gw)  # one image per source token
+    heads = [F.conv2d(eye, kernel[h][None, None], padding=conv.padding) for h in range(module.num_heads)]
+    banded = torch.stack([m.flatten(1).T for m in heads])  # [H, N (target), N (source)]
+    prefix = module.num_prefix_tokens
+    return F.pad(banded, (prefix, 0, prefix, 0))
+
+
+def attention_matrix(capture: LayerCapture, dtype: torch.dtype = torch.float64,
+                     include_lepe: bool = False) -> torch.Tensor:
+    """The layer's attention matrix A ``[B, H, N, N]``, so that A @ v is the attention output (plus LePE
+    with ``include_lepe``, up to its bias, for linear kinds)."""
+    a = _attention_only(capture, dtype)
+    module = capture.module
+    if include_lepe and getattr(module, "lepe", None) is not None:
+        grid = module.token_grid(a.shape[-1])
+        a = a + lepe_matrix(module, grid, dtype).to(a.device)
+    return a
+
+
+def _attention_only(capture: LayerCapture, dtype: torch.dtype) -> torch.Tensor:
     q, k = capture.q.to(dtype), capture.k.to(dtype)
     module = capture.module
     if capture.kind == "softmax":

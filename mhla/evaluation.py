@@ -60,17 +60,23 @@ def load_weights(model: torch.nn.Module, path, use_ema: bool = False) -> None:
 
 
 def load_model_spec(spec: str, img_size: int) -> torch.nn.Module:
-    """``NAME`` or ``NAME:CHECKPOINT`` -> a model in eval mode at ``img_size``.
+    """``NAME``, ``CONFIG.yaml`` or either with ``:CHECKPOINT`` -> a model in eval mode at ``img_size``.
 
-    A ``train.py`` checkpoint gives the model's kwargs (its config) and class count; a state dict
-    gives the class count. Call after the model registrations are imported.
+    A training config gives the model's name and kwargs; a ``train.py`` checkpoint gives its kwargs
+    (from its config) and class count; a state dict gives the class count. Call after the model
+    registrations are imported.
     """
     import timm
 
+    from .config import load_config
+
     name, _, path = spec.partition(":")
+    kwargs = {}
+    if name.endswith((".yaml", ".yml")):
+        config = load_config(name)
+        name, kwargs = config["model"]["name"], dict(config["model"]["kwargs"])
     if not timm.is_model(name):
         raise WeightsError(f"--model: unknown model {name!r}")
-    kwargs = {}
     if path:
         checkpoint = load_checkpoint(path)
         if isinstance(checkpoint.get("config"), dict):

@@ -4,8 +4,10 @@
         --dataset photos --img-size 256 --out outputs/attention_stats
     python scripts/attention_stats.py --model deit_tiny_mhla:output/quickstart/last.pth --dataset mnist5k
 
-``--model NAME[:CHECKPOINT]`` (repeatable): a registered model at initialisation, or with a
-``train.py`` checkpoint (its config gives the model's kwargs and class count) or a state dict.
+``--model SPEC[:CHECKPOINT]`` (repeatable): a registered model name or a training config (its model
+and kwargs), at initialisation or with a ``train.py`` checkpoint (its config gives the model's
+kwargs and class count) or a state dict. ``--include-lepe`` adds the LePE term as a banded matrix
+(``mhla.analysis.lepe_matrix``); by default A is the attention alone.
 Images: ``--dataset mnist5k`` (validation digits), ``--dataset photos`` (the photos scikit-image
 ships), or ``--data-dir DIR`` (an ImageFolder or a plain folder of images). Per model the mean over
 images, layers and heads of the numerical rank (``torch.linalg.matrix_rank`` default tolerance,
@@ -58,14 +60,14 @@ def images_for(args) -> Dataset:
     return MNIST5k(train=False) if args.dataset == "mnist5k" else SkimagePhotos()
 
 
-def stats_for(model: torch.nn.Module, loader, rtol: float, label: str) -> dict:
+def stats_for(model: torch.nn.Module, loader, rtol: float, label: str, include_lepe: bool = False) -> dict:
     """Per layer and head: mean rank (two tolerances) and mean row entropy over the images."""
     sums, count, clipped, shape = None, 0, 0.0, None
     for images, _, _ in tqdm(loader, desc=label, file=sys.stderr, disable=not sys.stderr.isatty()):
         captures = capture_attention(model, images)
         per_layer = []
         for capture in captures:
-            a = attention_matrix(capture)  # [B, H, N, N]
+            a = attention_matrix(capture, include_lepe=include_lepe)  # [B, H, N, N]
             shape = (capture.q.shape[-1], a.shape[-1])
             entropy, frac = row_entropy(a)
             clipped = max(clipped, frac)
@@ -78,7 +80,7 @@ def stats_for(model: torch.nn.Module, loader, rtol: float, label: str) -> dict:
     return {
         "rank_mean": mean[:, 0].mean().item(), "rank_mean_rtol": mean[:, 1].mean().item(),
         "entropy_mean": mean[:, 2].mean().item(), "head_dim": shape[0], "num_tokens": shape[1],
-        "num_images": count, "rtol": rtol, "clipped_fraction": clipped,
+        "num_images": count, "rtol": rtol, "clipped_fraction": clipped, "include_lepe": include_lepe,
         "layers": [{"rank": mean[i, 0].tolist(), "rank_rtol": mean[i, 1].tolist(), "entropy": mean[i, 2].tolist()}
                    for i in range(mean.shape[0])],
     }
@@ -131,7 +133,9 @@ def plot(results: dict, out: Path) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", action="append", required=True, help="NAME[:CHECKPOINT], repeatable")
+    parser.add_argument("--model", action="append", required=True,
+                        help="NAME or CONFIG.yaml, optionally :CHECKPOINT; repeatable")
+    parser.add_argument("--include-lepe", action="store_true", help="add LePE to A as a banded matrix")
     parser.add_argument("--dataset", choices=["photos", "mnist5k"], default="photos")
     parser.add_argument("--data-dir", type=Path, help="ImageFolder or folder of images (instead of --dataset)")
     parser.add_argument("--num-images", type=int, default=500)
@@ -151,7 +155,7 @@ def main(argv=None) -> int:
         transform = eval_transform(args.img_size, resolve_data_config({}, model=model))
         data = Subset(AugmentedDataset(base, transform), range(min(args.num_images, len(base))))
         loader = DataLoader(data, batch_size=args.batch_size, collate_fn=collate_skipping)
-        results[spec] = stats_for(model, loader, args.rtol, spec)
+        results[spec] = stats_for(model, loader, args.rtol, spec, args.include_lepe)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "stats.json").write_text(json.dumps(results, indent=2) + "\n")
     print(write_report(results, args.out))

@@ -76,3 +76,20 @@ def test_attention_map_is_a_distribution_over_the_patch_grid():
     assert (heat.sum((1, 2)) < 1).all()  # the class token takes the rest of the row
     full = attention_matrix(capture)[:, :, 1 + 5].mean(1)  # [B, N] with the class token first
     torch.testing.assert_close(heat.flatten(1), full[:, 1:])
+
+
+@pytest.mark.parametrize("num_prefix", [0, 1])
+def test_lepe_as_a_banded_matrix_reproduces_the_output(num_prefix):
+    model = timm.create_model("deit_tiny_mhla", img_size=64, depth=1, class_token=bool(num_prefix),
+                              global_pool="token" if num_prefix else "avg").eval()
+    attn = model.blocks[0].attn
+    with torch.no_grad():  # one kernel per head: the banded matrix is then exact
+        kernels = attn.lepe.conv.weight.unflatten(0, (attn.num_heads, attn.head_dim))
+        kernels.copy_(kernels[:, :1].expand_as(kernels))
+        attn.lepe.conv.bias.zero_()
+    capture = capture_attention(model, torch.randn(2, 3, 64, 64))[0]
+    a = attention_matrix(capture, include_lepe=True)
+    out = (a @ capture.v.double()).transpose(1, 2).flatten(2)
+    torch.testing.assert_close(out.float(), capture.out, rtol=1e-4, atol=1e-5)
+    banded = attention_matrix(capture, include_lepe=True) - attention_matrix(capture)
+    assert (banded[0, 0, num_prefix + 5].abs() > 0).sum() <= 25  # a 5 x 5 neighbourhood at most

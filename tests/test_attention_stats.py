@@ -49,3 +49,19 @@ def test_attention_maps_png(tmp_path):
     bad = subprocess.run(list(map(str, cmd[:-2] + ["--query", 9, 9, "--out", out])), capture_output=True, text=True,
                          cwd=ROOT, timeout=300)
     assert bad.returncode != 0 and "outside the 4x4 token grid" in bad.stderr
+
+
+def test_config_as_model_source_with_its_checkpoint_and_lepe(tmp_path):
+    from helpers import make_image_folder, run_train, tiny_config
+
+    config = tiny_config(tmp_path, make_image_folder(tmp_path / "data"), epochs=1)
+    assert run_train("--config", str(config)).returncode == 0
+    checkpoint = tmp_path / "output" / "config" / "last.pth"
+    for extra, name in (([], "plain"), (["--include-lepe"], "lepe")):
+        proc = run_stats("--model", f"{config}:{checkpoint}", "--data-dir", tmp_path / "data" / "val", "--img-size",
+                         32, "--num-images", 4, "--out", tmp_path / name, *extra)
+        assert proc.returncode == 0, proc.stderr
+    plain, lepe = (json.loads((tmp_path / n / "stats.json").read_text())[f"{config}:{checkpoint}"]
+                   for n in ("plain", "lepe"))
+    assert plain["num_tokens"] == 16 and plain["head_dim"] == 12 and lepe["include_lepe"]
+    assert plain["entropy_mean"] != lepe["entropy_mean"]
