@@ -1,0 +1,186 @@
+"""Model speed and memory: inference and training throughput, step time and peak memory over resolutions.
+
+    python scripts/benchmark.py                                   # CPU (or CUDA when present), fp32
+    python scripts/benchmark.py --img-sizes 224 1024 --dtype bfloat16 --batch-size 256 --compile
+
+For each model and resolution: inference (forward, no grad) and training (forward, cross-entropy,
+backward, AdamW step) time per batch and images per second, medians of interleaved rounds (all
+models of a resolution timed in one process), and the peak memory of each in a fresh process
+(``mhla.benchmark.peak_memory``); parameters and GMACs. Writes ``<out-dir>/benchmark.{csv,json,md}``
+and ``throughput.png``.
+"""
+import argparse
+import contextlib
+import csv
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import timm
+import torch
+
+import models  # noqa: F401  (registers the models)
+from mhla.benchmark import count_macs, keep_freed_memory, peak_memory, return_freed_memory, time_call
+
+DEFAULT_MODELS = ["deit_tiny_patch16_224", "deit_tiny_softmax", "deit_tiny_linear", "deit_tiny_mhla",
+                  "deit_small_softmax", "deit_small_linear", "deit_small_mhla"]
+MODES = ("inference", "train")
+DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS)
+    parser.add_argument("--img-sizes", type=int, nargs="+", default=[224, 384, 512, 1024])
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="autocast dtype (float32: none)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the models")
+    parser.add_argument("--min-run-time", type=float, default=2.0, help="seconds of timed runs per measurement")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out-dir", type=Path, default=Path("outputs/benchmark"))
+    parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--worker", nargs=3, metavar=("MODEL", "IMG_SIZE", "MODE"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    for name in args.models:
+        if not timm.is_model(name):
+            parser.error(f"--models: unknown model {name!r}")
+    for size in args.img_sizes:
+        if size % 16:
+            parser.error(f"--img-sizes: {size} is not divisible by the patch size 16")
+    return args
+
+
+def build_call(name: str, img_size: int, mode: str, args):
+    """A function running one inference batch or one training step of ``name`` at ``img_size``."""
+    device = torch.device(args.device)
+    model = timm.create_model(name, img_size=img_size).to(device)
+    if args.compile:
+        model = torch.compile(model)
+    x = torch.randn(args.batch_size, 3, img_size, img_size, device=device)
+    autocast = (torch.autocast(device.type, dtype=DTYPES[args.dtype]) if DTYPES[args.dtype]
+                else contextlib.nullcontext())
+    if mode == "inference":
+        model.eval()
+
+        def call():
+            with torch.no_grad(), autocast:
+                return model(x)
+        return call
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler(device.type) if args.dtype == "float16" else None
+    target = torch.randint(0, 1000, (args.batch_size,), device=device)
+
+    def call():
+        optimizer.zero_grad(set_to_none=True)
+        with autocast:
+            loss = torch.nn.functional.cross_entropy(model(x), target)
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+    return call
+
+
+def memory_worker(args) -> float:
+    """Peak memory (MiB) of one call in this fresh process, after one warm-up call."""
+    name, size, mode = args.worker[0], int(args.worker[1]), args.worker[2]
+    return_freed_memory()
+    call = build_call(name, size, mode, args)
+    call()
+    return peak_memory(call, torch.device(args.device)) / 2 ** 20
+
+
+def measure_memory(args, name: str, size: int, mode: str) -> float:
+    cmd = [sys.executable, __file__, "--worker", name, str(size), mode, "--models", name, "--img-sizes", str(size),
+           "--batch-size", str(args.batch_size), "--dtype", args.dtype, "--device", args.device]
+    if args.compile:
+        cmd.append("--compile")
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name} {size}px {mode} failed:\n{proc.stderr[-2000:]}")
+    return float(proc.stdout.strip().splitlines()[-1])
+
+
+def measure_times(args, size: int) -> dict:
+    """Median time (ms) per (model, mode) at ``size``, timed in interleaved rounds."""
+    calls = {(name, mode): build_call(name, size, mode, args) for name in args.models for mode in MODES}
+    for call in calls.values():
+        call()
+    times = {key: [] for key in calls}
+    for _ in range(args.rounds):
+        for key, call in calls.items():
+            times[key].append(time_call(call, args.min_run_time / args.rounds).median_ms)
+    return {key: statistics.median(values) for key, values in times.items()}
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, mode in zip(axes, MODES, strict=True):
+        for name in dict.fromkeys(r["model"] for r in rows):
+            points = sorted((r["img_size"], r["img_per_s"]) for r in rows if r["model"] == name and r["mode"] == mode)
+            sizes, throughput = zip(*points, strict=True)
+            ax.plot(sizes, throughput, marker="o", label=name)
+        ax.set(xscale="log", yscale="log", xlabel="image size (px)", ylabel="images / s", title=mode)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        print(memory_worker(args))
+        return 0
+    keep_freed_memory()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for size in args.img_sizes:
+        times = measure_times(args, size)
+        for name in args.models:
+            model = timm.create_model(name, img_size=size).eval()
+            params, gmacs = sum(p.numel() for p in model.parameters()) / 1e6, count_macs(model, (3, size, size)) / 1e9
+            for mode in MODES:
+                ms = times[(name, mode)]
+                rows.append(dict(model=name, img_size=size, mode=mode, batch_size=args.batch_size, dtype=args.dtype,
+                                 compile=args.compile, step_ms=ms, img_per_s=args.batch_size * 1e3 / ms,
+                                 peak_mib=measure_memory(args, name, size, mode), params_m=params, gmacs=gmacs))
+                print(f"{name:>24} {size:>5}px {mode:<9} {ms:10.1f} ms {rows[-1]['img_per_s']:9.1f} img/s "
+                      f"{rows[-1]['peak_mib']:9.1f} MiB", file=sys.stderr)
+    with open(args.out_dir / "benchmark.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    (args.out_dir / "benchmark.json").write_text(json.dumps(rows, indent=2) + "\n")
+    lines = [f"{args.device}, {args.dtype}, batch {args.batch_size}, {torch.get_num_threads()} threads, "
+             f"torch {torch.__version__}{', compiled' if args.compile else ''}", "",
+             "| model | px | params (M) | GMACs | inference img/s | train img/s | train step ms | "
+             "inference MiB | train MiB |", "|---|---|---|---|---|---|---|---|---|"]
+    by_key = {(r["model"], r["img_size"], r["mode"]): r for r in rows}
+    for size in args.img_sizes:
+        for name in args.models:
+            inf, train = by_key[(name, size, "inference")], by_key[(name, size, "train")]
+            lines.append(f"| {name} | {size} | {inf['params_m']:.2f} | {inf['gmacs']:.2f} | {inf['img_per_s']:.1f} | "
+                         f"{train['img_per_s']:.1f} | {train['step_ms']:.1f} | {inf['peak_mib']:.0f} | "
+                         f"{train['peak_mib']:.0f} |")
+    report = "\n".join(lines) + "\n"
+    (args.out_dir / "benchmark.md").write_text(report)
+    if not args.no_plot:
+        plot(rows, args.out_dir / "throughput.png")
+    print(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
