@@ -149,10 +149,13 @@ class _Run:
         else:
             _seed(self.config["seed"] + 1_000_003 * self.state.step + self.info.rank)
 
-    def save(self, name: str) -> None:
-        rng = _gather_rng(self.info)  # a collective: every process takes part
+    def save(self, *names: str) -> None:
+        """Write the current state once per name (every process takes part: the RNG gather is collective)."""
+        rng = _gather_rng(self.info)
         if self.info.is_main:
-            save_atomic(self.state_dict(rng), self.run_dir / name)
+            state = self.state_dict(rng)
+            for name in names:
+                save_atomic(state, self.run_dir / name)
 
     def on_step(self, state: TrainState) -> None:
         interval = self.config["checkpoint"]["interval_steps"]
@@ -177,20 +180,13 @@ class _Run:
         epoch = self.state.epoch
         self.state = dataclasses.replace(self.state, epoch=epoch + 1, batch_in_epoch=0, loss_sum=0.0, samples=0,
                                          skipped=0)
-        self.save("last.pth")
-        if self.info.is_main:
-            if is_best:
-                save_atomic(torch.load(self.run_dir / "last.pth", weights_only=True), self.run_dir / "best.pth")
-            self._keep_snapshots(epoch)
-        return row
-
-    def _keep_snapshots(self, epoch: int) -> None:
         keep = self.config["checkpoint"]["keep"]
-        if not keep:
-            return
-        save_atomic(torch.load(self.run_dir / "last.pth", weights_only=True), self.run_dir / f"epoch_{epoch:04d}.pth")
-        for old in sorted(self.run_dir.glob("epoch_*.pth"))[:-keep]:
-            old.unlink()
+        names = ["last.pth"] + (["best.pth"] if is_best else []) + ([f"epoch_{epoch:04d}.pth"] if keep else [])
+        self.save(*names)
+        if self.info.is_main and keep:
+            for old in sorted(self.run_dir.glob("epoch_*.pth"))[:-keep]:
+                old.unlink()
+        return row
 
 
 def run(config: dict, resume: str | None = None, argv: list[str] | None = None) -> list[dict]:
