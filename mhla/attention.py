@@ -214,7 +214,7 @@ class MultiHeadLinearAttention(LinearAttention):
         mixing = self.mixing()
         if layout.num_prefix_blocks:
             mixing = F.pad(mixing, (0, layout.num_prefix_blocks, 0, layout.num_prefix_blocks), value=1.0)
-        key_mask = None if layout.evenly_divided else layout.mask.to(q.device)[None]
+        key_mask = None if layout.evenly_divided else layout.on(q.device).mask[None]
         out = mhla_attention(q, k, v, mixing, key_mask=key_mask, normalizer=self.normalizer,
                              eps=self.eps)  # [B, H, M + G, T, D]
         return layout.from_blocks(out.permute(0, 2, 3, 1, 4), dim=1).flatten(2)  # [B, N, C]

@@ -18,7 +18,7 @@ Prefix tokens (class or register tokens placed before the patch tokens) go into 
 their own, appended after the M patch blocks (see ``MultiHeadLinearAttention`` for how they mix).
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
@@ -66,6 +66,18 @@ class BlockLayout:
     mask: torch.Tensor
     block_ids: torch.Tensor
     evenly_divided: bool
+    _on_device: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def on(self, device: torch.device) -> "BlockLayout":
+        """This layout with its tensors on ``device`` (copied once per device, then reused)."""
+        if self.index.device == device:
+            return self
+        if device not in self._on_device:
+            self._on_device[device] = BlockLayout(
+                self.grid_size, self.block_grid, self.num_prefix_tokens, self.num_blocks, self.num_prefix_blocks,
+                self.block_size, self.index.to(device), self.inverse.to(device), self.mask.to(device),
+                self.block_ids.to(device), self.evenly_divided)
+        return self._on_device[device]
 
     @property
     def num_tokens(self) -> int:
@@ -75,13 +87,13 @@ class BlockLayout:
     def to_blocks(self, x: torch.Tensor, dim: int = -2) -> torch.Tensor:
         """``[..., N, ...]`` tokens along ``dim`` -> ``[..., M + G, T, ...]`` block-major (a copy)."""
         dim = dim % x.ndim
-        x = x.index_select(dim, self.index.to(x.device))
+        x = x.index_select(dim, self.on(x.device).index)
         return x.unflatten(dim, (self.num_blocks + self.num_prefix_blocks, self.block_size))
 
     def from_blocks(self, x: torch.Tensor, dim: int = -3) -> torch.Tensor:
         """``[..., M + G, T, ...]`` block-major along ``dim, dim + 1`` -> ``[..., N, ...]`` tokens."""
         dim = dim % x.ndim
-        return x.flatten(dim, dim + 1).index_select(dim, self.inverse.to(x.device))
+        return x.flatten(dim, dim + 1).index_select(dim, self.on(x.device).inverse)
 
 
 @lru_cache(maxsize=64)
