@@ -3,7 +3,7 @@ from .attention import LinearAttention, MultiHeadLinearAttention
 from .blocks import BlockLayout, block_layout
 from .lepe import LePE
 from .mixing import MixingMatrix, mixing_init
-from .ops import linear_attention, mhla_attention
+from .ops import linear_attention, mhla_attention, mhla_attention_parallel
 
 __all__ = [
     "BlockLayout",
@@ -14,5 +14,6 @@ __all__ = [
     "block_layout",
     "linear_attention",
     "mhla_attention",
+    "mhla_attention_parallel",
     "mixing_init",
 ]

@@ -7,10 +7,17 @@ reads the mixed summary of its own block; batched matmuls only, forward and (han
 backward. Under autocast (fp16/bf16) everything inside the op runs in fp32, so that sums over many
 thousands of tokens neither overflow nor lose precision; the output comes back in the input
 dtype. The naive N x N references are in ``mhla.naive``.
+
+``mhla_attention_parallel`` computes the same MHLA output the other way round, through the
+``N x N`` matrix (the *parallel form*, as in RetNet or fla): two large matmuls of ``2 N^2 D``
+multiply-adds instead of many small ones over ``M T D Dv + M^2 D Dv``. For short sequences
+(N around 4 D or less) the large matmuls run several times more efficiently than the small ones
+and need no block-major copy of the tokens, so the parallel form is faster although its cost
+grows as N^2; ``MultiHeadLinearAttention`` picks the form per token grid.
 """
 import torch
 
-__all__ = ["NORMALIZERS", "linear_attention", "mhla_attention"]
+__all__ = ["NORMALIZERS", "linear_attention", "mhla_attention", "mhla_attention_parallel"]
 
 NORMALIZERS = ("paper", "official")
 
@@ -66,6 +73,41 @@ class _LinearAttentionFunction(torch.autograd.Function):
                 grad_k = grad_k.mul_(mask)
         grad_v = k @ grad_kv if ctx.needs_input_grad[2] else None  # [..., M, T, Dv]; masked k rows are 0
         return grad_q, grad_k, grad_v, None, grad_mixing, None
+
+
+class _ParallelFunction(torch.autograd.Function):
+    """``o = (A V) / (A 1 + eps)`` with ``A = (Q K^T) * W_tok``, a hand-written backward.
+
+    Shapes: q, k ``[..., N, D]``, v ``[..., N, Dv]``, ``token_mixing`` ``[N, N]`` (``W[b(t), b(s)]``).
+    Only the scores ``Q K^T`` (one ``N x N`` per batch and head) are kept for the backward; A is
+    rebuilt from them, which costs one elementwise product.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, token_mixing, eps):
+        scores = q @ k.transpose(-1, -2)  # [..., N, N]
+        attn = scores * token_mixing
+        den = attn.sum(-1, keepdim=True).add_(eps)  # [..., N, 1]
+        out = (attn @ v).div_(den)  # [..., N, Dv]
+        ctx.save_for_backward(q, k, v, token_mixing, scores, out, den)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, token_mixing, scores, out, den = ctx.saved_tensors
+        grad_num = grad_out / den  # [..., N, Dv]
+        grad_den = -(grad_num * out).sum(-1, keepdim=True)  # [..., N, 1]
+        grad_v = None
+        if ctx.needs_input_grad[2]:
+            grad_v = (scores * token_mixing).transpose(-1, -2) @ grad_num  # [..., N, Dv]
+        grad_attn = (grad_num @ v.transpose(-1, -2)).add_(grad_den)  # [..., N, N]
+        grad_mixing = None
+        if ctx.needs_input_grad[3]:
+            grad_mixing = (grad_attn * scores).flatten(0, -3).sum(0)  # [N, N]
+        grad_scores = grad_attn.mul_(token_mixing)
+        grad_q = grad_scores @ k if ctx.needs_input_grad[0] else None  # [..., N, D]
+        grad_k = grad_scores.transpose(-1, -2) @ q if ctx.needs_input_grad[1] else None  # [..., N, D]
+        return grad_q, grad_k, grad_v, grad_mixing, None
 
 
 def _mix(mixing: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -135,6 +177,48 @@ def mhla_attention(
             kv = k.transpose(-1, -2) @ v  # [B, H, M, D, Dv]: S_j
             qz = q @ k.sum(-2, keepdim=True).transpose(-1, -2)  # [B, H, M, T, 1]: q_{j,p} . z_j
             out = (q @ _mix(mixing, kv)) / (_mix(mixing, qz) + eps)  # [B, H, M, T, Dv]
+    return out.to(out_dtype)
+
+
+def mhla_attention_parallel(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mixing: torch.Tensor,
+        block_ids: torch.Tensor,
+        *,
+        eps: float = 1e-6,
+) -> torch.Tensor:
+    """Multi-head linear attention (paper Eq. 4, ``normalizer="paper"``) through the N x N form, token order.
+
+    ``o_t = sum_s W_{b(t) b(s)} (q_t . k_s) v_s / (sum_s W_{b(t) b(s)} (q_t . k_s) + eps)``, the
+    same output as ``mhla_attention`` without the block-major layout: blocks of any size, no
+    padding. O(N^2) time and memory: for short sequences only.
+
+    Args:
+        q: feature-mapped queries ``[B, H, N, D]``.
+        k: feature-mapped keys ``[B, H, N, D]``.
+        v: values ``[B, H, N, Dv]``.
+        mixing: W ``[M, M]``.
+        block_ids: long ``[N]``, the block of each token, in ``[0, M)``.
+        eps: added to the denominator.
+
+    Returns:
+        ``[B, H, N, Dv]`` in the dtype of ``q``.
+    """
+    if q.ndim != 4 or k.shape != q.shape or v.shape[:-1] != q.shape[:-1]:
+        raise ValueError(
+            f"expected q, k [B, H, N, D] and v [B, H, N, Dv], got {tuple(q.shape)}, {tuple(k.shape)}, "
+            f"{tuple(v.shape)}")
+    if mixing.ndim != 2 or mixing.shape[0] != mixing.shape[1]:
+        raise ValueError(f"mixing must be [M, M], got {tuple(mixing.shape)}")
+    if block_ids.shape != (q.shape[-2],):
+        raise ValueError(f"block_ids must be [N] = [{q.shape[-2]}], got {tuple(block_ids.shape)}")
+    out_dtype = q.dtype
+    with torch.autocast(q.device.type, enabled=False):
+        q, k, v, mixing = _upcast(q, k, v, mixing)
+        token_mixing = mixing[block_ids[:, None], block_ids[None, :]]  # [N, N]: W[b(t), b(s)]
+        out = _ParallelFunction.apply(q, k, v, token_mixing, eps)  # [B, H, N, Dv]
     return out.to(out_dtype)
 
 

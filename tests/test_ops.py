@@ -3,7 +3,7 @@ import pytest
 import torch
 from conftest import rel_rms
 
-from mhla import block_layout, linear_attention, mhla_attention
+from mhla import block_layout, linear_attention, mhla_attention, mhla_attention_parallel
 from mhla.naive import mhla_attention_matrix, naive_linear_attention, naive_mhla_attention
 
 GRIDS = [(14, 14), (7, 9), (16, 16)]
@@ -59,6 +59,53 @@ def test_mhla_matches_naive(batch, grid, block_grid, head_dim, dtype):
     # denominator alike), so its error is measured against that O(1) scale
     for name, grad, ref_grad, floor in zip("qkvW", grads, ref_grads, (1e-6, 1e-6, 1e-6, 1.0), strict=True):
         assert rel_rms(grad, ref_grad, floor) < TOLERANCE[dtype], name
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("block_grid", BLOCK_GRIDS, ids=lambda g: f"M{g[0]}x{g[1]}")
+@pytest.mark.parametrize("grid", GRIDS, ids=lambda g: f"G{g[0]}x{g[1]}")
+def test_parallel_form_matches_naive(grid, block_grid, dtype):
+    layout = block_layout(grid, block_grid)
+    inputs = make_inputs(2, 2, grid[0] * grid[1], 60, dtype) + [random_mixing(layout.num_blocks, dtype)]
+    reference_inputs = upcast(inputs, torch.float64 if dtype == torch.float64 else torch.float32)
+
+    out = mhla_attention_parallel(*inputs, layout.block_ids)
+    ref = naive_mhla_attention(*reference_inputs, layout.block_ids)
+    assert out.dtype == dtype
+    assert rel_rms(out, ref) < TOLERANCE[dtype]
+
+    grad_out = torch.randn_like(ref)
+    grads = torch.autograd.grad(out, inputs, grad_out.to(dtype))
+    ref_grads = torch.autograd.grad(ref, reference_inputs, grad_out)
+    for name, grad, ref_grad, floor in zip("qkvW", grads, ref_grads, (1e-6, 1e-6, 1e-6, 1.0), strict=True):
+        assert rel_rms(grad, ref_grad, floor) < TOLERANCE[dtype], name
+
+
+def test_parallel_form_with_frozen_mixing_and_value_width():
+    layout = block_layout((6, 5), (2, 2))
+    q, k, v = make_inputs(1, 2, 30, 8, torch.float64, value_dim=12)
+    mixing = torch.rand(4, 4, dtype=torch.float64)
+    out = mhla_attention_parallel(q, k, v, mixing, layout.block_ids)
+    ref = naive_mhla_attention(q, k, v, mixing, layout.block_ids)
+    assert out.shape == (1, 2, 30, 12)
+    assert rel_rms(out, ref) < 1e-12
+    grad_out = torch.randn_like(out)
+    for grad, ref_grad in zip(torch.autograd.grad(out, (q, k, v), grad_out),
+                              torch.autograd.grad(ref, (q, k, v), grad_out), strict=True):
+        assert rel_rms(grad, ref_grad) < 1e-12
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(q=torch.rand(1, 2, 4, 4, 8)), "expected q, k"),
+    (dict(mixing=torch.rand(3, 4)), "mixing must be \\[M, M\\]"),
+    (dict(block_ids=torch.zeros(5, dtype=torch.long)), "block_ids must be \\[N\\] = \\[16\\]"),
+])
+def test_parallel_form_bad_arguments(bad, match):
+    args = dict(q=torch.rand(1, 2, 16, 8), k=torch.rand(1, 2, 16, 8), v=torch.rand(1, 2, 16, 8),
+                mixing=torch.rand(4, 4), block_ids=block_layout((4, 4), (2, 2)).block_ids)
+    args.update(bad)
+    with pytest.raises(ValueError, match=match):
+        mhla_attention_parallel(**args)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
