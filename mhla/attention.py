@@ -24,9 +24,15 @@ from torch import nn
 from .blocks import MODES, BlockLayout, block_layout
 from .lepe import LePE
 from .mixing import MixingMatrix
-from .ops import NORMALIZERS, linear_attention, mhla_attention
+from .ops import NORMALIZERS, linear_attention, mhla_attention, mhla_attention_parallel
 
-__all__ = ["LinearAttention", "MultiHeadLinearAttention"]
+__all__ = ["FORMS", "LinearAttention", "MultiHeadLinearAttention"]
+
+FORMS = ("auto", "blocks", "parallel")
+# The parallel (N x N) form is chosen while its multiply-adds are at most this many times the block
+# form's: its two large matmuls run ~2-3x more efficiently than the block form's many small ones
+# (measured by scripts/benchmark_attention.py on CPU), so below this point it is faster.
+PARALLEL_ADVANTAGE = 2.0
 
 
 def _norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -157,6 +163,11 @@ class MultiHeadLinearAttention(LinearAttention):
         constrain_mixing: keep W in [0, 1] (paper); False only for ablations.
         normalizer: ``"paper"`` (Eq. 4) or ``"official"`` (released code; evenly divided grids and
             no prefix tokens only).
+        form: how the output is computed, the same either way: ``"blocks"`` (per-block summaries,
+            O(N), ``mhla.ops.mhla_attention``), ``"parallel"`` (the N x N form,
+            ``mhla.ops.mhla_attention_parallel``; paper normalizer only) or ``"auto"``: parallel
+            while its cost is at most ``PARALLEL_ADVANTAGE`` times the block form's (at head dim
+            64 and 4 x 4 blocks: up to 14 x 14 tokens), blocks beyond.
     """
 
     def __init__(
@@ -172,6 +183,7 @@ class MultiHeadLinearAttention(LinearAttention):
             learnable_mixing: bool = True,
             constrain_mixing: bool = True,
             normalizer: str = "paper",
+            form: str = "auto",
             **kwargs,
     ) -> None:
         super().__init__(dim, num_heads, *args, **kwargs)
@@ -181,9 +193,14 @@ class MultiHeadLinearAttention(LinearAttention):
             raise ValueError(f"unknown normalizer {normalizer!r}; expected one of {NORMALIZERS}")
         if normalizer == "official" and self.num_prefix_tokens:
             raise ValueError("normalizer='official' does not support prefix tokens")
+        if form not in FORMS:
+            raise ValueError(f"unknown form {form!r}; expected one of {FORMS}")
+        if form == "parallel" and normalizer != "paper":
+            raise ValueError(f"form='parallel' computes the paper normalizer only, got normalizer={normalizer!r}")
         self.block_grid = tuple(block_grid)
         self.block_mode = block_mode
         self.normalizer = normalizer
+        self.form = form
         self.mixing = MixingMatrix(
             self.block_grid, transform, mixing_norm, mixing_sigma,
             learnable=learnable_mixing, constrain=constrain_mixing,
@@ -208,12 +225,28 @@ class MultiHeadLinearAttention(LinearAttention):
                 f"into {self.block_grid[0]}x{self.block_grid[1]}")
         return layout
 
+    def uses_parallel_form(self, layout: BlockLayout) -> bool:
+        """Whether ``forward`` computes the N x N form for this layout (see ``form``)."""
+        if self.form != "auto":
+            return self.form == "parallel"
+        if self.normalizer != "paper":
+            return False
+        num_tokens, slots = layout.num_tokens, layout.index.numel()
+        num_blocks = layout.num_blocks + layout.num_prefix_blocks
+        parallel_macs = 2 * num_tokens * num_tokens * self.head_dim
+        block_macs = (2 * slots + num_blocks * num_blocks) * self.head_dim * self.head_dim
+        return parallel_macs <= PARALLEL_ADVANTAGE * block_macs
+
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
         layout = self._layout(grid)
-        q, k, v = (layout.to_blocks(self.split_heads(t)) for t in (q, k, v))  # [B, H, M + G, T, D]
         mixing = self.mixing()
         if layout.num_prefix_blocks:
             mixing = F.pad(mixing, (0, layout.num_prefix_blocks, 0, layout.num_prefix_blocks), value=1.0)
+        if self.uses_parallel_form(layout):
+            out = mhla_attention_parallel(self.split_heads(q), self.split_heads(k), self.split_heads(v), mixing,
+                                          layout.on(q.device).block_ids, eps=self.eps)  # [B, H, N, D]
+            return out.transpose(1, 2).flatten(2)  # [B, N, C]
+        q, k, v = (layout.to_blocks(self.split_heads(t)) for t in (q, k, v))  # [B, H, M + G, T, D]
         key_mask = None if layout.evenly_divided else layout.on(q.device).mask[None]
         out = mhla_attention(q, k, v, mixing, key_mask=key_mask, normalizer=self.normalizer,
                              eps=self.eps)  # [B, H, M + G, T, D]

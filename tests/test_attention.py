@@ -27,18 +27,55 @@ def finish(module, out_heads, v, grid):
     return module.proj(out)
 
 
+@pytest.mark.parametrize("form", ["blocks", "parallel"])
 @pytest.mark.parametrize("grid,block_grid", [((7, 9), (2, 3)), ((14, 14), (4, 4)), ((4, 4), (4, 4))])
 @pytest.mark.parametrize("num_prefix_tokens", [0, 1, 5])
 @pytest.mark.parametrize("lepe_kernel", [0, 3])
-def test_mhla_module_matches_naive(grid, block_grid, num_prefix_tokens, lepe_kernel):
+def test_mhla_module_matches_naive(grid, block_grid, num_prefix_tokens, lepe_kernel, form):
     module = MultiHeadLinearAttention(48, 3, qk_norm=True, grid_size=grid, block_grid=block_grid,
-                                      num_prefix_tokens=num_prefix_tokens, lepe_kernel=lepe_kernel).double()
+                                      num_prefix_tokens=num_prefix_tokens, lepe_kernel=lepe_kernel,
+                                      form=form).double()
     x = torch.randn(2, num_prefix_tokens + grid[0] * grid[1], 48, dtype=torch.float64)
     q, k, v_heads, v = features(module, x)
     layout = module._layout(grid)
     mixing = F.pad(module.mixing(), (0, layout.num_prefix_blocks) * 2, value=1.0)
     expected = finish(module, naive_mhla_attention(q, k, v_heads, mixing, layout.block_ids), v, grid)
     assert rel_rms(module(x), expected) < 1e-12
+
+
+@pytest.mark.parametrize("num_prefix_tokens", [0, 1])
+def test_forms_agree_in_outputs_and_gradients(num_prefix_tokens):
+    blocks, parallel = (MultiHeadLinearAttention(48, 3, qk_norm=True, grid_size=(7, 9), block_grid=(2, 3), form=form,
+                                                 num_prefix_tokens=num_prefix_tokens).double()
+                        for form in ("blocks", "parallel"))
+    with torch.no_grad():
+        blocks.mixing.weight.uniform_()
+    parallel.load_state_dict(blocks.state_dict())
+    x = torch.randn(2, num_prefix_tokens + 63, 48, dtype=torch.float64)
+    grad_out = torch.randn(2, num_prefix_tokens + 63, 48, dtype=torch.float64)
+    outs = [module(x) for module in (blocks, parallel)]
+    assert rel_rms(outs[1], outs[0]) < 1e-12
+    grads = [torch.autograd.grad(out, list(module.parameters()), grad_out)
+             for out, module in zip(outs, (blocks, parallel), strict=True)]
+    for (name, _), grad_blocks, grad_parallel in zip(blocks.named_parameters(), *grads, strict=True):
+        assert rel_rms(grad_parallel, grad_blocks) < 1e-10, name
+
+
+@pytest.mark.parametrize("grid,head_dim,expected", [
+    ((14, 14), 64, True),    # 224 px: 196 tokens in 256 padded slots
+    ((15, 15), 64, False),
+    ((16, 16), 64, False),   # 256 px
+    ((8, 8), 32, True),      # the quick start
+    ((64, 64), 64, False),   # 1024 px
+])
+def test_auto_form_picks_parallel_for_short_sequences_only(grid, head_dim, expected):
+    module = MultiHeadLinearAttention(3 * head_dim, 3, grid_size=grid)
+    assert module.uses_parallel_form(module._layout(grid)) is expected
+
+
+def test_auto_form_keeps_the_official_normalizer_in_blocks():
+    official = MultiHeadLinearAttention(96, 3, grid_size=(8, 8), normalizer="official")
+    assert not official.uses_parallel_form(official._layout((8, 8)))
 
 
 def test_prefix_tokens_read_every_token_and_every_query_reads_them():
@@ -142,6 +179,8 @@ def test_bad_inputs_at_forward(kwargs, x_tokens, match):
     (dict(lepe_kernel=4), "lepe_kernel must be odd"),
     (dict(scale_norm=True), "scale_norm=True needs a norm_layer"),
     (dict(num_heads=3), "dim \\(16\\) must be divisible by num_heads \\(3\\)"),
+    (dict(form="chunked"), "unknown form 'chunked'"),
+    (dict(form="parallel", normalizer="official"), "form='parallel' computes the paper normalizer only"),
 ])
 def test_bad_options(kwargs, match):
     kwargs = dict(dict(dim=16, num_heads=2), **kwargs)
