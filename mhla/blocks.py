@@ -83,16 +83,28 @@ class BlockLayout:
     def num_tokens(self) -> int:
         return self.inverse.numel()
 
+    @property
+    def is_regular(self) -> bool:
+        """Equal blocks and no prefix tokens: block-major order is a reshape and transpose, no gather."""
+        return self.evenly_divided and self.num_prefix_tokens == 0
 
     def to_blocks(self, x: torch.Tensor, dim: int = -2) -> torch.Tensor:
         """``[..., N, ...]`` tokens along ``dim`` -> ``[..., M + G, T, ...]`` block-major (a copy)."""
         dim = dim % x.ndim
+        if self.is_regular:
+            (gh, gw), (bh, bw) = self.grid_size, self.block_grid
+            x = x.unflatten(dim, (bh, gh // bh, bw, gw // bw)).transpose(dim + 1, dim + 2)  # [.., bh, bw, th, tw, ..]
+            return x.flatten(dim + 2, dim + 3).flatten(dim, dim + 1).contiguous()
         x = x.index_select(dim, self.on(x.device).index)
         return x.unflatten(dim, (self.num_blocks + self.num_prefix_blocks, self.block_size))
 
     def from_blocks(self, x: torch.Tensor, dim: int = -3) -> torch.Tensor:
-        """``[..., M + G, T, ...]`` block-major along ``dim, dim + 1`` -> ``[..., N, ...]`` tokens."""
+        """``[..., M + G, T, ...]`` block-major along ``dim, dim + 1`` -> ``[..., N, ...]`` tokens (a copy)."""
         dim = dim % x.ndim
+        if self.is_regular:
+            (gh, gw), (bh, bw) = self.grid_size, self.block_grid
+            x = x.unflatten(dim + 1, (gh // bh, gw // bw)).unflatten(dim, (bh, bw)).transpose(dim + 1, dim + 2)
+            return x.flatten(dim, dim + 3)
         return x.flatten(dim, dim + 1).index_select(dim, self.on(x.device).inverse)
 
 

@@ -67,3 +67,17 @@ def test_prefix_tokens_fill_their_own_blocks():
 def test_bad_layouts(grid, block_grid, prefix, mode, match):
     with pytest.raises(ValueError, match=match):
         block_layout(grid, block_grid, mode, prefix)
+
+
+@pytest.mark.parametrize("grid,block_grid,num_prefix_tokens,regular", [
+    ((16, 16), (4, 4), 0, True), ((8, 12), (2, 3), 0, True), ((14, 14), (4, 4), 0, False), ((8, 8), (2, 2), 1, False),
+])
+def test_regular_layouts_reshape_to_the_same_order_as_the_gather(grid, block_grid, num_prefix_tokens, regular):
+    layout = block_layout(grid, block_grid, num_prefix_tokens=num_prefix_tokens)
+    assert layout.is_regular is regular
+    n = num_prefix_tokens + grid[0] * grid[1]
+    x = torch.randn(2, n, 3, 5).transpose(1, 2)  # [B, H, N, D], strided like split heads
+    gathered = x.index_select(2, layout.index).unflatten(2, (layout.num_blocks + layout.num_prefix_blocks, -1))
+    blocks = layout.to_blocks(x)
+    assert torch.equal(blocks, gathered)
+    assert torch.equal(layout.from_blocks(blocks.permute(0, 2, 3, 1, 4), dim=1), x.transpose(1, 2))
