@@ -6,8 +6,9 @@
 For each model and resolution: inference (forward, no grad) and training (forward, cross-entropy,
 backward, AdamW step) time per batch and images per second, medians of interleaved rounds (all
 models of a resolution timed in one process), and the peak memory of each in a fresh process
-(``mhla.benchmark.peak_memory``); parameters and GMACs. Writes ``<out-dir>/benchmark.{csv,json,md}``
-and ``throughput.png``.
+(``mhla.benchmark.peak_memory``); parameters and GMACs; then the ratios that say whether MHLA is
+worth it (MHLA against linear and softmax attention of the same size, and against timm's own
+DeiT-T), each beside its target. Writes ``<out-dir>/benchmark.{csv,json,md}`` and ``throughput.png``.
 """
 import argparse
 import contextlib
@@ -28,6 +29,8 @@ DEFAULT_MODELS = ["deit_tiny_patch16_224", "deit_tiny_softmax", "deit_tiny_linea
                   "deit_small_softmax", "deit_small_linear", "deit_small_mhla"]
 MODES = ("inference", "train")
 DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TIMM_DEIT = "deit_tiny_patch16_224"
+HIGH_RES = 1024  # px: 4,096 tokens, where linear attention has to pay off
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -108,7 +111,10 @@ def measure_memory(args, name: str, size: int, mode: str) -> float:
 
 
 def measure_times(args, size: int) -> dict:
-    """Median time (ms) per (model, mode) at ``size``, timed in interleaved rounds."""
+    """Median time (ms) and spread (max - min over rounds, % of the median) per (model, mode) at ``size``.
+
+    The models are timed in interleaved rounds so that a slow spell of the machine hits them alike.
+    """
     calls = {(name, mode): build_call(name, size, mode, args) for name in args.models for mode in MODES}
     for call in calls.values():
         call()
@@ -116,7 +122,43 @@ def measure_times(args, size: int) -> dict:
     for _ in range(args.rounds):
         for key, call in calls.items():
             times[key].append(time_call(call, args.min_run_time / args.rounds).median_ms)
-    return {key: statistics.median(values) for key, values in times.items()}
+    return {key: (statistics.median(values), 100 * (max(values) - min(values)) / statistics.median(values))
+            for key, values in times.items()}
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """MHLA against its baselines wherever both were measured: ratio, target and whether it is met.
+
+    Per model size (tiny, small) and resolution: MHLA / linear step time (target <= 1.15), softmax /
+    MHLA step time (the speed-up; target >= 4 at 1024 px) and MHLA / softmax training peak memory
+    (target <= 1/3 at 1024 px); at 224 px, MHLA-T / timm's DeiT-T inference throughput (target >= 0.9).
+    """
+    by_key = {(r["model"], r["img_size"], r["mode"]): r for r in rows}
+    out = []
+
+    def add(name, size, mode, value, target, op):
+        met = None if target is None else (value >= target if op == ">=" else value <= target)
+        out.append(dict(ratio=name, img_size=size, mode=mode, value=value,
+                        target=None if target is None else f"{op} {target:.3g}", met=met))
+
+    for size in sorted({r["img_size"] for r in rows}):
+        for family in ("tiny", "small"):
+            mhla, linear, softmax = (f"deit_{family}_{kind}" for kind in ("mhla", "linear", "softmax"))
+            for mode in MODES:
+                m, lin, soft = (by_key.get((name, size, mode)) for name in (mhla, linear, softmax))
+                if m and lin:
+                    add(f"{mhla} / {linear} step time", size, mode, m["step_ms"] / lin["step_ms"], 1.15, "<=")
+                if m and soft:
+                    add(f"{softmax} / {mhla} step time (speed-up)", size, mode, soft["step_ms"] / m["step_ms"],
+                        4.0 if size == HIGH_RES else None, ">=")
+                if m and soft and mode == "train":
+                    add(f"{mhla} / {softmax} peak memory", size, mode, m["peak_mib"] / soft["peak_mib"],
+                        1 / 3 if size == HIGH_RES else None, "<=")
+        m, timm_deit = by_key.get(("deit_tiny_mhla", size, "inference")), by_key.get((TIMM_DEIT, size, "inference"))
+        if m and timm_deit:
+            add(f"deit_tiny_mhla / {TIMM_DEIT} throughput", size, "inference",
+                m["img_per_s"] / timm_deit["img_per_s"], 0.9 if size == 224 else None, ">=")
+    return out
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -152,9 +194,10 @@ def main(argv=None) -> int:
             model = timm.create_model(name, img_size=size).eval()
             params, gmacs = sum(p.numel() for p in model.parameters()) / 1e6, count_macs(model, (3, size, size)) / 1e9
             for mode in MODES:
-                ms = times[(name, mode)]
+                ms, spread = times[(name, mode)]
                 rows.append(dict(model=name, img_size=size, mode=mode, batch_size=args.batch_size, dtype=args.dtype,
-                                 compile=args.compile, step_ms=ms, img_per_s=args.batch_size * 1e3 / ms,
+                                 compile=args.compile, step_ms=ms, spread_pct=spread,
+                                 img_per_s=args.batch_size * 1e3 / ms,
                                  peak_mib=measure_memory(args, name, size, mode), params_m=params, gmacs=gmacs))
                 print(f"{name:>24} {size:>5}px {mode:<9} {ms:10.1f} ms {rows[-1]['img_per_s']:9.1f} img/s "
                       f"{rows[-1]['peak_mib']:9.1f} MiB", file=sys.stderr)
@@ -162,18 +205,25 @@ def main(argv=None) -> int:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    (args.out_dir / "benchmark.json").write_text(json.dumps(rows, indent=2) + "\n")
+    found = ratios(rows)
+    (args.out_dir / "benchmark.json").write_text(json.dumps(dict(rows=rows, ratios=found), indent=2) + "\n")
     lines = [f"{args.device}, {args.dtype}, batch {args.batch_size}, {torch.get_num_threads()} threads, "
              f"torch {torch.__version__}{', compiled' if args.compile else ''}", "",
-             "| model | px | params (M) | GMACs | inference img/s | train img/s | train step ms | "
+             "| model | px | params (M) | GMACs | inference img/s | train img/s | train step ms (spread) | "
              "inference MiB | train MiB |", "|---|---|---|---|---|---|---|---|---|"]
     by_key = {(r["model"], r["img_size"], r["mode"]): r for r in rows}
     for size in args.img_sizes:
         for name in args.models:
             inf, train = by_key[(name, size, "inference")], by_key[(name, size, "train")]
             lines.append(f"| {name} | {size} | {inf['params_m']:.2f} | {inf['gmacs']:.2f} | {inf['img_per_s']:.1f} | "
-                         f"{train['img_per_s']:.1f} | {train['step_ms']:.1f} | {inf['peak_mib']:.0f} | "
-                         f"{train['peak_mib']:.0f} |")
+                         f"{train['img_per_s']:.1f} | {train['step_ms']:.1f} ({train['spread_pct']:.0f}%) | "
+                         f"{inf['peak_mib']:.0f} | {train['peak_mib']:.0f} |")
+    if found:
+        lines += ["", "| ratio | px | mode | value | target | met |", "|---|---|---|---|---|---|"]
+        for r in found:
+            met = {True: "yes", False: "**no**", None: ""}[r["met"]]
+            lines.append(f"| {r['ratio']} | {r['img_size']} | {r['mode']} | {r['value']:.2f} | {r['target'] or ''} | "
+                         f"{met} |")
     report = "\n".join(lines) + "\n"
     (args.out_dir / "benchmark.md").write_text(report)
     if not args.no_plot:

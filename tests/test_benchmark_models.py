@@ -1,29 +1,68 @@
 """scripts/benchmark.py: a smoke run on tiny settings and its argument checks."""
 import csv
+import importlib.util
+import json
 import subprocess
 import sys
 
+import pytest
 from helpers import ROOT
 
 SCRIPT = ROOT / "scripts" / "benchmark.py"
 
 
+def load_script():
+    spec = importlib.util.spec_from_file_location("benchmark_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_smoke_run_writes_every_output(tmp_path):
-    cmd = [sys.executable, str(SCRIPT), "--models", "deit_tiny_mhla", "--img-sizes", "64", "--batch-size", "2",
-           "--min-run-time", "0.05", "--rounds", "1", "--out-dir", str(tmp_path)]
+    cmd = [sys.executable, str(SCRIPT), "--models", "deit_tiny_mhla", "deit_tiny_linear", "--img-sizes", "64",
+           "--batch-size", "2", "--min-run-time", "0.05", "--rounds", "2", "--out-dir", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr
     with open(tmp_path / "benchmark.csv") as f:
         rows = list(csv.DictReader(f))
     assert {(r["model"], r["img_size"], r["mode"]) for r in rows} == {
-        ("deit_tiny_mhla", "64", "inference"), ("deit_tiny_mhla", "64", "train")}
+        (model, "64", mode) for model in ("deit_tiny_mhla", "deit_tiny_linear") for mode in ("inference", "train")}
     for row in rows:
         assert float(row["img_per_s"]) == float(row["batch_size"]) * 1e3 / float(row["step_ms"])
         assert float(row["gmacs"]) > 0 and 5.0 < float(row["params_m"]) < 6.0
+        assert float(row["spread_pct"]) >= 0
     train = next(r for r in rows if r["mode"] == "train")
     assert float(train["peak_mib"]) > 0  # activations and gradients of a training step
     assert "| deit_tiny_mhla | 64 |" in proc.stdout
-    assert (tmp_path / "throughput.png").stat().st_size > 0 and (tmp_path / "benchmark.json").exists()
+    report = json.loads((tmp_path / "benchmark.json").read_text())
+    step = {(r["model"], r["mode"]): float(r["step_ms"]) for r in rows}
+    assert [(r["ratio"], r["mode"]) for r in report["ratios"]] == [
+        ("deit_tiny_mhla / deit_tiny_linear step time", mode) for mode in ("inference", "train")]
+    for r in report["ratios"]:
+        assert r["value"] == pytest.approx(step[("deit_tiny_mhla", r["mode"])] / step[("deit_tiny_linear", r["mode"])])
+        assert f"| deit_tiny_mhla / deit_tiny_linear step time | 64 | {r['mode']} | {r['value']:.2f} | <= 1.15 |" in \
+            proc.stdout
+    assert (tmp_path / "throughput.png").stat().st_size > 0
+
+
+def test_ratios_and_targets():
+    def row(model, size, mode, step_ms, peak_mib=100.0):
+        return dict(model=model, img_size=size, mode=mode, step_ms=step_ms, img_per_s=8e3 / step_ms, peak_mib=peak_mib)
+
+    rows = [row("deit_tiny_patch16_224", 224, "inference", 100.0), row("deit_tiny_mhla", 224, "inference", 125.0),
+            row("deit_tiny_mhla", 1024, "train", 10.0, peak_mib=300.0),
+            row("deit_tiny_softmax", 1024, "train", 50.0, peak_mib=1000.0),
+            row("deit_tiny_linear", 1024, "train", 9.0)]
+    found = {(r["ratio"], r["img_size"], r["mode"]): r for r in load_script().ratios(rows)}
+    assert len(found) == 4
+    timm_deit = found[("deit_tiny_mhla / deit_tiny_patch16_224 throughput", 224, "inference")]
+    assert timm_deit["value"] == pytest.approx(0.8) and timm_deit["target"] == ">= 0.9" and timm_deit["met"] is False
+    speed_up = found[("deit_tiny_softmax / deit_tiny_mhla step time (speed-up)", 1024, "train")]
+    assert speed_up["value"] == pytest.approx(5.0) and speed_up["met"] is True
+    memory = found[("deit_tiny_mhla / deit_tiny_softmax peak memory", 1024, "train")]
+    assert memory["value"] == pytest.approx(0.3) and memory["target"] == "<= 0.333" and memory["met"] is True
+    linear = found[("deit_tiny_mhla / deit_tiny_linear step time", 1024, "train")]
+    assert linear["value"] == pytest.approx(10 / 9) and linear["met"] is True
 
 
 def test_bad_arguments(tmp_path):
