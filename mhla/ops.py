@@ -86,7 +86,7 @@ class _ParallelFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, token_mixing, eps):
         scores = q @ k.transpose(-1, -2)  # [..., N, N]
-        attn = scores * token_mixing
+        attn = scores * token_mixing if any(ctx.needs_input_grad) else scores.mul_(token_mixing)
         den = attn.sum(-1, keepdim=True).add_(eps)  # [..., N, 1]
         out = (attn @ v).div_(den)  # [..., N, Dv]
         ctx.save_for_backward(q, k, v, token_mixing, scores, out, den)

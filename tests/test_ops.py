@@ -89,6 +89,8 @@ def test_parallel_form_with_frozen_mixing_and_value_width():
     ref = naive_mhla_attention(q, k, v, mixing, layout.block_ids)
     assert out.shape == (1, 2, 30, 12)
     assert rel_rms(out, ref) < 1e-12
+    with torch.no_grad():  # inference weights the scores in place
+        assert torch.equal(mhla_attention_parallel(q, k, v, mixing, layout.block_ids), out)
     grad_out = torch.randn_like(out)
     for grad, ref_grad in zip(torch.autograd.grad(out, (q, k, v), grad_out),
                               torch.autograd.grad(ref, (q, k, v), grad_out), strict=True):
