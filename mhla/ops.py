@@ -110,6 +110,13 @@ class _ParallelFunction(torch.autograd.Function):
         return grad_q, grad_k, grad_v, grad_mixing, None
 
 
+def _check_token_order(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.ndim != 4 or k.shape != q.shape or v.shape[:-1] != q.shape[:-1]:
+        raise ValueError(
+            f"expected q, k [B, H, N, D] and v [B, H, N, Dv], got {tuple(q.shape)}, {tuple(k.shape)}, "
+            f"{tuple(v.shape)}")
+
+
 def _mix(mixing: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``sum_j W_ij x_j`` for x ``[..., M, D, E]`` (one batched matmul, no copy of x)."""
     flat = x.flatten(-2).flatten(0, -3)  # [G, M, D * E]
@@ -206,10 +213,7 @@ def mhla_attention_parallel(
     Returns:
         ``[B, H, N, Dv]`` in the dtype of ``q``.
     """
-    if q.ndim != 4 or k.shape != q.shape or v.shape[:-1] != q.shape[:-1]:
-        raise ValueError(
-            f"expected q, k [B, H, N, D] and v [B, H, N, Dv], got {tuple(q.shape)}, {tuple(k.shape)}, "
-            f"{tuple(v.shape)}")
+    _check_token_order(q, k, v)
     if mixing.ndim != 2 or mixing.shape[0] != mixing.shape[1]:
         raise ValueError(f"mixing must be [M, M], got {tuple(mixing.shape)}")
     if block_ids.shape != (q.shape[-2],):
@@ -234,10 +238,7 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, eps: 
     Returns:
         ``[B, H, N, Dv]`` in the dtype of ``q``.
     """
-    if q.ndim != 4 or k.shape != q.shape or v.shape[:-1] != q.shape[:-1]:
-        raise ValueError(
-            f"expected q, k [B, H, N, D] and v [B, H, N, Dv], got {tuple(q.shape)}, {tuple(k.shape)}, "
-            f"{tuple(v.shape)}")
+    _check_token_order(q, k, v)
     out_dtype = q.dtype
     with torch.autocast(q.device.type, enabled=False):
         q, k, v = _upcast(q, k, v)

@@ -23,7 +23,14 @@ import timm
 import torch
 
 import models  # noqa: F401  (registers the models)
-from mhla.benchmark import count_macs, keep_freed_memory, peak_memory, return_freed_memory, time_call
+from mhla.benchmark import (
+    count_macs,
+    keep_freed_memory,
+    peak_memory,
+    release_freed_memory,
+    return_freed_memory,
+    time_call,
+)
 
 DEFAULT_MODELS = ["deit_tiny_patch16_224", "deit_tiny_softmax", "deit_tiny_linear", "deit_tiny_mhla",
                   "deit_small_softmax", "deit_small_linear", "deit_small_mhla"]
@@ -118,10 +125,12 @@ def measure_times(args, size: int) -> dict:
     calls = {(name, mode): build_call(name, size, mode, args) for name in args.models for mode in MODES}
     for call in calls.values():
         call()
+        release_freed_memory()
     times = {key: [] for key in calls}
     for _ in range(args.rounds):
         for key, call in calls.items():
             times[key].append(time_call(call, args.min_run_time / args.rounds).median_ms)
+            release_freed_memory()
     return {key: (statistics.median(values), 100 * (max(values) - min(values)) / statistics.median(values))
             for key, values in times.items()}
 

@@ -33,3 +33,30 @@ def test_cpu_peak_memory_counts_what_the_call_allocates():
     assert proc.returncode == 0, proc.stderr
     peak_mib = float(proc.stdout.strip().splitlines()[-1])
     assert 95 <= peak_mib <= 105
+
+
+RELEASE_SCRIPT = """
+import torch
+from mhla.benchmark import keep_freed_memory, release_freed_memory
+
+def rss_mib():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+assert keep_freed_memory()
+before = rss_mib()
+chunks = [torch.ones(2**20 // 4) for _ in range(200)]  # 200 x 1 MiB, below the mmap threshold: heap
+del chunks
+kept = rss_mib()
+assert release_freed_memory()
+print(kept - before, kept - rss_mib())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc_trim needs Linux")
+def test_release_returns_the_memory_keep_freed_memory_kept():
+    proc = subprocess.run([sys.executable, "-c", RELEASE_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    kept_mib, released_mib = map(float, proc.stdout.split())
+    assert kept_mib > 150  # freed, but kept by the process
+    assert released_mib > 150  # handed back

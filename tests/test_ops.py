@@ -36,6 +36,19 @@ def upcast(tensors, dtype):
     return [t.detach().to(dtype).requires_grad_() for t in tensors]
 
 
+def assert_matches(out, ref, inputs, reference_inputs, dtype):
+    """Output and the gradients of q, k, v and W within the tolerance of ``dtype``."""
+    assert out.dtype == dtype
+    assert rel_rms(out, ref) < TOLERANCE[dtype]
+    grad_out = torch.randn_like(ref)
+    grads = torch.autograd.grad(out, inputs, grad_out.to(dtype))
+    ref_grads = torch.autograd.grad(ref, reference_inputs, grad_out)
+    # dL/dW sums products of O(1) terms that cancel exactly when M = 1 (W scales numerator and
+    # denominator alike), so its error is measured against that O(1) scale
+    for name, grad, ref_grad, floor in zip("qkvW", grads, ref_grads, (1e-6, 1e-6, 1e-6, 1.0), strict=True):
+        assert rel_rms(grad, ref_grad, floor) < TOLERANCE[dtype], name
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("head_dim", [60, 64], ids=lambda d: f"D{d}")
 @pytest.mark.parametrize("block_grid", BLOCK_GRIDS, ids=lambda g: f"M{g[0]}x{g[1]}")
@@ -49,16 +62,7 @@ def test_mhla_matches_naive(batch, grid, block_grid, head_dim, dtype):
 
     out = fast_mhla(layout, *inputs)
     ref = naive_mhla_attention(*reference_inputs[:4], layout.block_ids)
-    assert out.dtype == dtype
-    assert rel_rms(out, ref) < TOLERANCE[dtype]
-
-    grad_out = torch.randn_like(ref)
-    grads = torch.autograd.grad(out, inputs, grad_out.to(dtype))
-    ref_grads = torch.autograd.grad(ref, reference_inputs, grad_out)
-    # dL/dW sums products of O(1) terms that cancel exactly when M = 1 (W scales numerator and
-    # denominator alike), so its error is measured against that O(1) scale
-    for name, grad, ref_grad, floor in zip("qkvW", grads, ref_grads, (1e-6, 1e-6, 1e-6, 1.0), strict=True):
-        assert rel_rms(grad, ref_grad, floor) < TOLERANCE[dtype], name
+    assert_matches(out, ref, inputs, reference_inputs, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
@@ -71,14 +75,7 @@ def test_parallel_form_matches_naive(grid, block_grid, dtype):
 
     out = mhla_attention_parallel(*inputs, layout.block_ids)
     ref = naive_mhla_attention(*reference_inputs, layout.block_ids)
-    assert out.dtype == dtype
-    assert rel_rms(out, ref) < TOLERANCE[dtype]
-
-    grad_out = torch.randn_like(ref)
-    grads = torch.autograd.grad(out, inputs, grad_out.to(dtype))
-    ref_grads = torch.autograd.grad(ref, reference_inputs, grad_out)
-    for name, grad, ref_grad, floor in zip("qkvW", grads, ref_grads, (1e-6, 1e-6, 1e-6, 1.0), strict=True):
-        assert rel_rms(grad, ref_grad, floor) < TOLERANCE[dtype], name
+    assert_matches(out, ref, inputs, reference_inputs, dtype)
 
 
 def test_parallel_form_with_frozen_mixing_and_value_width():
