@@ -97,12 +97,16 @@ def peak_memory(fn: Callable[[], object], device: torch.device) -> int:
     return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * (1 if sys.platform == "darwin" else 1024)
 
 
-def _mallopt(threshold: int, trim: int) -> bool:
+def _glibc() -> ctypes.CDLL | None:
+    """The C library where it is glibc (Linux), else None."""
     path = ctypes.util.find_library("c")
-    if not sys.platform.startswith("linux") or path is None:
-        return False
-    libc = ctypes.CDLL(path)
-    return bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold) and libc.mallopt(_M_TRIM_THRESHOLD, trim))
+    return ctypes.CDLL(path) if sys.platform.startswith("linux") and path is not None else None
+
+
+def _mallopt(threshold: int, trim: int) -> bool:
+    libc = _glibc()
+    return libc is not None and bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold) and
+                                     libc.mallopt(_M_TRIM_THRESHOLD, trim))
 
 
 def release_freed_memory() -> bool:
@@ -112,10 +116,10 @@ def release_freed_memory() -> bool:
     the process does not pile up the fragments of every model's large steps (at 1024 px that ran a
     24 GiB machine out of memory). Returns False where glibc is not available.
     """
-    path = ctypes.util.find_library("c")
-    if not sys.platform.startswith("linux") or path is None:
+    libc = _glibc()
+    if libc is None:
         return False
-    ctypes.CDLL(path).malloc_trim(0)
+    libc.malloc_trim(0)
     return True
 
 
