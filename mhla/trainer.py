@@ -7,6 +7,7 @@ registrations must be imported by the caller (``import models``), as ``train.py`
 import contextlib
 import dataclasses
 import functools
+import math
 import random
 import sys
 import time
@@ -91,7 +92,7 @@ class _Run:
         self.optimizer = create_optimizer_v2(self.model, opt=optim["name"], lr=optim["lr"],
                                              weight_decay=optim["weight_decay"], betas=tuple(optim["betas"]),
                                              eps=optim["eps"])
-        updates_per_epoch = max(1, self.sampler.batches_per_epoch // accum)
+        updates_per_epoch = max(1, math.ceil(self.sampler.batches_per_epoch / accum))  # a short last group updates too
         sched = config["sched"]
         self.scheduler, _ = create_scheduler_v2(
             self.optimizer, sched=sched["name"], num_epochs=config["epochs"], warmup_epochs=sched["warmup_epochs"],
@@ -215,7 +216,7 @@ def run(config: dict, resume: str | None = None, argv: list[str] | None = None) 
                 trainer.state, info, mixup=trainer.mixup, ema=trainer.ema, scaler=trainer.scaler,
                 autocast=trainer.autocast, accum_steps=config["optim"]["accum_steps"],
                 clip_grad=config["optim"]["clip_grad"], on_step=trainer.on_step,
-                log_interval=config["log"]["interval"])
+                log_interval=config["log"]["interval"], checkpoint_interval=config["checkpoint"]["interval_steps"])
             row = trainer.epoch_end(time.perf_counter() - start)
             rows.append(row)
             if info.is_main:
