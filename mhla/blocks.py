@@ -117,6 +117,8 @@ def block_layout(
 ) -> BlockLayout:
     """Build (and cache) the layout of a ``gh x gw`` token grid cut into ``bh x bw`` blocks.
 
+    The layout's tensors are built on the CPU, whatever the default device (``BlockLayout.on`` moves them).
+
     Raises:
         ValueError: a block grid larger than the token grid, a non-positive size, an unknown mode.
     """
@@ -133,8 +135,8 @@ def block_layout(
     num_prefix_blocks = math.ceil(num_prefix_tokens / block_size)
     total_blocks = num_blocks + num_prefix_blocks
 
-    index = torch.zeros(total_blocks, block_size, dtype=torch.long)
-    mask = torch.zeros(total_blocks, block_size, dtype=torch.bool)
+    index = torch.zeros(total_blocks, block_size, dtype=torch.long, device="cpu")
+    mask = torch.zeros(total_blocks, block_size, dtype=torch.bool, device="cpu")
     row0 = [sum(heights[:i]) for i in range(bh)]
     col0 = [sum(widths[:j]) for j in range(bw)]
     for bi in range(bh):
@@ -150,8 +152,8 @@ def block_layout(
         index[num_blocks + p // block_size, p % block_size] = p
         mask[num_blocks + p // block_size, p % block_size] = True
 
-    slots = torch.arange(total_blocks * block_size)[mask.flatten()]
-    inverse = torch.empty(num_prefix_tokens + gh * gw, dtype=torch.long)
+    slots = torch.arange(total_blocks * block_size, device="cpu")[mask.flatten()]
+    inverse = torch.empty(num_prefix_tokens + gh * gw, dtype=torch.long, device="cpu")
     inverse[index.flatten()[mask.flatten()]] = slots
     block_ids = torch.div(inverse, block_size, rounding_mode="floor")
     return BlockLayout(

@@ -19,9 +19,9 @@ NORMALIZATIONS = ("rows", "columns", "none")
 
 
 def block_distances(block_grid: tuple[int, int]) -> torch.Tensor:
-    """Euclidean distances ``[M, M]`` between the centres ``(r + 0.5, c + 0.5)`` of a row-major block grid."""
+    """Distances ``[M, M]`` (float64, CPU) between the centres ``(r + 0.5, c + 0.5)`` of a row-major block grid."""
     bh, bw = block_grid
-    rows, cols = torch.meshgrid(torch.arange(bh), torch.arange(bw), indexing="ij")
+    rows, cols = torch.meshgrid(torch.arange(bh, device="cpu"), torch.arange(bw, device="cpu"), indexing="ij")
     centres = torch.stack([rows.flatten(), cols.flatten()], dim=-1).double() + 0.5  # [M, 2]
     return torch.cdist(centres, centres)
 
@@ -33,7 +33,7 @@ def mixing_init(
         sigma: float | None = None,
         threshold: float = 1.5,
 ) -> torch.Tensor:
-    """Initial mixing matrix ``[M, M]`` (float64) from block-centre distances D.
+    """Initial mixing matrix ``[M, M]`` (float64, CPU) from block-centre distances D.
 
     Args:
         block_grid: ``(bh, bw)``, M = bh * bw.
@@ -104,6 +104,7 @@ class MixingMatrix(nn.Module):
         init = mixing_init(block_grid, transform, normalize, sigma, threshold)
         self.block_grid = tuple(block_grid)
         self.constrain = constrain
+        device = torch.get_default_device() if device is None else device  # e.g. inside `with torch.device("meta")`
         self.weight = nn.Parameter(init.to(device=device, dtype=dtype or torch.get_default_dtype()),
                                    requires_grad=learnable)
 

@@ -15,11 +15,20 @@ multiply-adds instead of many small ones over ``M T D Dv + M^2 D Dv``. For short
 and need no block-major copy of the tokens, so the parallel form is faster although its cost
 grows as N^2; ``MultiHeadLinearAttention`` picks the form per token grid.
 """
+import contextlib
+
 import torch
 
 __all__ = ["NORMALIZERS", "linear_attention", "mhla_attention", "mhla_attention_parallel"]
 
 NORMALIZERS = ("paper", "official")
+
+
+def _no_autocast(device_type: str) -> contextlib.AbstractContextManager:
+    """Leave autocast for the op where it is on; nothing to leave elsewhere (``meta``, devices without autocast)."""
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _upcast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -175,7 +184,7 @@ def mhla_attention(
         raise ValueError("normalizer='official' needs evenly divided blocks: key_mask must be None")
 
     out_dtype = q.dtype
-    with torch.autocast(q.device.type, enabled=False):
+    with _no_autocast(q.device.type):
         q, k, v, mixing = _upcast(q, k, v, mixing)
         if normalizer == "paper":
             mask = None if key_mask is None else key_mask[:, None, :, :, None].to(q.dtype)  # [B | 1, 1, M, T, 1]
@@ -219,7 +228,7 @@ def mhla_attention_parallel(
     if block_ids.shape != (q.shape[-2],):
         raise ValueError(f"block_ids must be [N] = [{q.shape[-2]}], got {tuple(block_ids.shape)}")
     out_dtype = q.dtype
-    with torch.autocast(q.device.type, enabled=False):
+    with _no_autocast(q.device.type):
         q, k, v, mixing = _upcast(q, k, v, mixing)
         token_mixing = mixing[block_ids[:, None], block_ids[None, :]]  # [N, N]: W[b(t), b(s)]
         out = _ParallelFunction.apply(q, k, v, token_mixing, eps)  # [B, H, N, Dv]
@@ -240,7 +249,7 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, eps: 
     """
     _check_token_order(q, k, v)
     out_dtype = q.dtype
-    with torch.autocast(q.device.type, enabled=False):
+    with _no_autocast(q.device.type):
         q, k, v = _upcast(q, k, v)
         out = _LinearAttentionFunction.apply(q, k, v, None, None, eps)  # [B, H, N, Dv]
     return out.to(out_dtype)

@@ -232,3 +232,31 @@ def test_bad_arguments(bad, match):
     kwargs = {key: args.pop(key) for key in ("normalizer", "key_mask") if key in args}
     with pytest.raises(ValueError, match=match):
         mhla_attention(args["q"], args["k"], args["v"], args["mixing"], **kwargs)
+
+
+@pytest.mark.parametrize("op", ["blocks", "parallel", "linear"])
+def test_ops_run_on_the_meta_device(op):
+    """Shapes and dtypes without data (timm builds models on ``meta`` to check them): no autocast to leave there."""
+    q, k, v = (torch.empty(2, 3, 16, 8, device="meta", dtype=torch.bfloat16) for _ in range(3))
+    mixing = torch.empty(4, 4, device="meta", dtype=torch.bfloat16)
+    layout = block_layout((4, 4), (2, 2))
+    if op == "blocks":
+        out = layout.from_blocks(mhla_attention(layout.to_blocks(q), layout.to_blocks(k), layout.to_blocks(v), mixing))
+    elif op == "parallel":
+        out = mhla_attention_parallel(q, k, v, mixing, layout.block_ids.to("meta"))
+    else:
+        out = linear_attention(q, k, v)
+    assert out.device.type == "meta" and out.shape == (2, 3, 16, 8) and out.dtype == torch.bfloat16
+
+
+def test_autocast_is_left_only_where_it_is_on():
+    """On the CPU under bf16 autocast the op computes in fp32: its output is the fp32 op's, rounded once."""
+    q, k, v = (t.detach().bfloat16() for t in make_inputs(2, 3, 64, 16, torch.float32))
+    mixing = torch.rand(4, 4)
+    block_ids = block_layout((8, 8), (2, 2)).block_ids
+    expected = mhla_attention_parallel(q.float(), k.float(), v.float(), mixing, block_ids).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = mhla_attention_parallel(q, k, v, mixing, block_ids)
+        scores = q.float() @ k.float().transpose(-1, -2)
+    assert scores.dtype == torch.bfloat16  # autocast is on again after the op
+    assert torch.equal(out, expected)
