@@ -18,7 +18,7 @@ Every attention option is a ``create_model`` keyword (``block_grid``, ``transfor
 import torch
 import torch.nn.functional as F
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import to_2tuple
+from timm.layers import register_notrace_module, to_2tuple
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
@@ -32,20 +32,24 @@ MHLA_OPTIONS = ("block_grid", "block_mode", "transform", "mixing_norm", "mixing_
                 "constrain_mixing", "normalizer", "form")
 ATTENTION_OPTIONS = LINEAR_OPTIONS + MHLA_OPTIONS
 
+# torch.fx traces around the linear attentions (their token grid and block layout depend on shapes),
+# as timm's feature extraction and its FX tests expect of such layers.
+register_notrace_module(LinearAttention)
+register_notrace_module(MultiHeadLinearAttention)
+
 
 def _configured(attn_cls: type, **options) -> type:
-    """A subclass of ``attn_cls`` whose constructor defaults to ``options``.
+    """A stand-in for ``attn_cls`` whose constructor defaults to ``options``.
 
     timm's ``Block`` builds ``attn_layer(dim, num_heads=..., ...)`` itself and needs a class, so the
-    model's attention options are bound into one.
+    model's attention options are bound into one. Constructing it returns a plain ``attn_cls``
+    instance, so the model holds, prints and pickles only ``attn_cls`` modules.
     """
 
-    class Configured(attn_cls):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **{**options, **kwargs})
+    def __new__(cls, *args, **kwargs):
+        return attn_cls(*args, **{**options, **kwargs})
 
-    Configured.__doc__ = f"{attn_cls.__name__} with {options}"
-    return Configured
+    return type(attn_cls.__name__, (), {"__new__": __new__, "__doc__": f"{attn_cls.__name__} with {options}"})
 
 
 class MhlaVisionTransformer(VisionTransformer):

@@ -1,7 +1,9 @@
 """The registered models, checked the way timm checks its own (tests/test_models.py)."""
+import pickle
 import re
 import subprocess
 import sys
+from copy import deepcopy
 from pathlib import Path
 
 import pytest
@@ -253,3 +255,18 @@ def test_every_model_name_in_configs_readme_and_scripts_is_registered():
     names = {name for f in files for name in NAME.findall(f.read_text())}
     assert "deit_tiny_mhla" in names
     assert [n for n in sorted(names) if not timm.is_model(n)] == []
+
+
+@pytest.mark.parametrize("name", ["deit_tiny_mhla", "deit_tiny_linear"])
+def test_whole_model_prints_its_attention_class_pickles_and_deep_copies(name, tmp_path):
+    attn_cls, options = (MultiHeadLinearAttention, dict(block_grid=(2, 2))) if name.endswith("_mhla") else (
+        LinearAttention, {})
+    model = timm.create_model(name, img_size=32, patch_size=8, depth=2, **options).eval()
+    assert type(model.blocks[0].attn) is attn_cls
+    assert f"(attn): {attn_cls.__name__}(" in repr(model)
+    x = torch.randn(2, 3, 32, 32)
+    expected = model(x)
+    torch.save(model, tmp_path / "model.pth")
+    for copy in (torch.load(tmp_path / "model.pth", weights_only=False), pickle.loads(pickle.dumps(model)),
+                 deepcopy(model)):
+        assert torch.equal(copy(x), expected)
