@@ -14,7 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.utils.benchmark import Timer
 from torch.utils.flop_counter import FlopCounterMode
 
 __all__ = ["Timing", "count_macs", "keep_freed_memory", "peak_memory", "return_freed_memory", "time_call"]
@@ -31,6 +30,8 @@ class Timing:
 
 def time_call(fn: Callable[[], object], min_run_time: float = 1.0) -> Timing:
     """Median and interquartile range of ``fn()`` over at least ``min_run_time`` seconds, on all torch threads."""
+    from torch.utils.benchmark import Timer  # imported here: it loads torch.utils.cpp_extension, which warns
+
     timer = Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
     measurement = timer.blocked_autorange(min_run_time=min_run_time)
     return Timing(measurement.median * 1e3, measurement.iqr * 1e3, len(measurement.times))
