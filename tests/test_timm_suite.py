@@ -1,0 +1,90 @@
+"""timm's own model tests (``tests/test_models.py`` of timm's source distribution) on our seven models.
+
+The test file is taken from the source distribution of the installed timm version (downloaded once
+from PyPI with pip into ``~/.cache/mhla-tests``, or read from ``$MHLA_TIMM_TESTS``, a folder holding
+timm's ``test_models.py``). Two parts:
+
+- The file itself, run by pytest with our models registered: every test it parametrizes with our
+  model names (forward, backward, the non-standard default-cfg checks on the ``meta`` device, FX
+  forward and backward), except TorchScript, which our custom autograd functions do not support.
+- timm selects its ``forward_intermediates`` tests by the module that registers a model (``deit``,
+  ``vision_transformer``, ...), so it never picks ours up although they are ``VisionTransformer``
+  models; those two test functions of the same file are called here with our model names.
+"""
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+import warnings
+from pathlib import Path
+
+import pytest
+import timm
+from helpers import ROOT
+
+import models  # noqa: F401  (registers the models)
+
+OUR_MODELS = sorted(timm.list_models(["*_mhla", "deit_*_linear", "deit_*_softmax"]))
+FILE_TESTS = ("test_model_forward", "test_model_backward", "test_model_default_cfgs_non_std", "test_model_forward_fx",
+              "test_model_backward_fx")
+INTERMEDIATES_TESTS = ("test_model_forward_intermediates", "test_model_forward_intermediates_features")
+
+
+def _download_test_file(version: str, cache: Path) -> Path:
+    """timm's ``tests/test_models.py`` of ``version`` from its source distribution on PyPI, cached."""
+    target = cache / f"timm-{version}" / "test_models.py"
+    if target.is_file():
+        return target
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                               f"timm=={version}", "-d", tmp], capture_output=True, text=True, timeout=300)
+        if proc.returncode:
+            pytest.fail(f"cannot download timm {version}'s source distribution (set MHLA_TIMM_TESTS to a folder "
+                        f"holding timm's tests/test_models.py): {proc.stderr.strip().splitlines()[-1:]}")
+        (sdist,) = Path(tmp).glob("timm-*.tar.gz")
+        with tarfile.open(sdist) as archive:
+            member = archive.getmember(f"timm-{version}/tests/test_models.py")
+            text = archive.extractfile(member).read()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_suffix(".tmp")
+        partial.write_bytes(text)
+        partial.replace(target)
+    return target
+
+
+@pytest.fixture(scope="module")
+def timm_test_file() -> Path:
+    folder = os.environ.get("MHLA_TIMM_TESTS")
+    if folder:
+        return Path(folder) / "test_models.py"
+    return _download_test_file(timm.__version__, Path.home() / ".cache" / "mhla-tests")
+
+
+def test_timm_test_file_passes_on_our_models(timm_test_file):
+    selection = f"({' or '.join(OUR_MODELS)}) and ({' or '.join(FILE_TESTS)}) and not torchscript"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "models", "-p", "no:cacheprovider", "-W", "ignore",
+         "--rootdir", str(timm_test_file.parent), str(timm_test_file), "-k", selection],
+        capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    passed = set(re.findall(r"^PASSED \S*::(\w+)\[\d+-(\w+)(?:\.\w+)?\]$", proc.stdout, re.M))
+    assert passed == {(test, name) for test in FILE_TESTS for name in OUR_MODELS}, proc.stdout[-3000:]
+
+
+@pytest.fixture(scope="module")
+def timm_tests(timm_test_file):
+    spec = importlib.util.spec_from_file_location("timm_test_models", timm_test_file)
+    module = importlib.util.module_from_spec(spec)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)  # timm's own markers
+        spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("model_name", OUR_MODELS)
+@pytest.mark.parametrize("test_name", INTERMEDIATES_TESTS)
+def test_timm_forward_intermediates_tests_on_our_models(timm_tests, test_name, model_name):
+    getattr(timm_tests, test_name)(model_name, 1)
