@@ -4,8 +4,8 @@ Both take ``x`` ``[B, N, C]``, N = P prefix tokens (class/register tokens) follo
 tokens of a ``gh x gw`` grid in raster order, and return ``[B, N, C]``:
 
     q, k, v = qkv(x)                        # [B, N, C] each
-    q, k    = RMSNorm(q), RMSNorm(k)        # over C, with qk_norm=True (paper)
-    phi(x)  = ReLU(x) + eps
+    q, k    = RMSNorm(q), RMSNorm(k)        # over C, with qk_norm=True (paper); epsilon norm_eps
+    phi(x)  = ReLU(x) + eps                 # eps also guards the denominator
     o       = attention(phi(q), phi(k), v)  # per head, head dim C / H
     out     = proj(o + LePE(v))             # LePE on the patch tokens only
 
@@ -60,7 +60,9 @@ class LinearAttention(nn.Module):
             an attribute between forwards (e.g. for dynamic image sizes).
         num_prefix_tokens: P tokens before the patch tokens.
         lepe_kernel: LePE depthwise kernel size, 0 for none.
-        eps: feature-map and denominator epsilon.
+        eps: the feature map's offset (``phi(x) = ReLU(x) + eps``) and the denominator's epsilon.
+        norm_eps: epsilon of the q/k RMSNorm (``qk_norm=True``), apart from ``eps`` as in fla, so that
+            an ``eps`` ablation leaves the norm alone.
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class LinearAttention(nn.Module):
             num_prefix_tokens: int = 0,
             lepe_kernel: int = 5,
             eps: float = 1e-6,
+            norm_eps: float = 1e-6,
             device=None,
             dtype=None,
     ) -> None:
@@ -99,8 +102,8 @@ class LinearAttention(nn.Module):
         self.eps = eps
 
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias, **dd)
-        self.q_norm = nn.RMSNorm(dim, eps=eps, **dd) if qk_norm else nn.Identity()
-        self.k_norm = nn.RMSNorm(dim, eps=eps, **dd) if qk_norm else nn.Identity()
+        self.q_norm = nn.RMSNorm(dim, eps=norm_eps, **dd) if qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(dim, eps=norm_eps, **dd) if qk_norm else nn.Identity()
         self.lepe = LePE(dim, lepe_kernel, **dd) if lepe_kernel else None
         self.norm = norm_layer(dim, **dd) if scale_norm else nn.Identity()
         self.proj = nn.Linear(dim, dim, bias=proj_bias, **dd)

@@ -27,7 +27,7 @@ from mhla import LinearAttention, MultiHeadLinearAttention
 __all__ = ["ATTENTION_OPTIONS", "MhlaVisionTransformer"]
 
 ATTENTION_TYPES = ("mhla", "linear", "softmax")
-LINEAR_OPTIONS = ("lepe_kernel", "eps")
+LINEAR_OPTIONS = ("lepe_kernel", "eps", "norm_eps")
 MHLA_OPTIONS = ("block_grid", "block_mode", "transform", "mixing_norm", "mixing_sigma", "learnable_mixing",
                 "constrain_mixing", "normalizer", "form")
 ATTENTION_OPTIONS = LINEAR_OPTIONS + MHLA_OPTIONS

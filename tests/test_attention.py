@@ -214,3 +214,18 @@ def test_bf16_autocast_forward_and_backward():
 def test_timm_is_new_enough():
     major, minor, patch = (int(p) for p in timm.__version__.split(".")[:3])
     assert (major, minor, patch) >= (1, 0, 26)
+
+
+@pytest.mark.parametrize("eps,norm_eps", [(0.1, 1e-6), (1e-6, 0.5)])
+def test_feature_eps_and_norm_eps_are_separate(eps, norm_eps):
+    module = LinearAttention(48, 3, qk_norm=True, lepe_kernel=0, eps=eps, norm_eps=norm_eps).double()
+    assert module.q_norm.eps == module.k_norm.eps == norm_eps and module.eps == eps
+    x = torch.randn(2, 16, 48, dtype=torch.float64)
+    q, k, v = module.qkv(x).chunk(3, dim=-1)
+    q = F.relu(F.rms_norm(q, (48,), module.q_norm.weight, eps=norm_eps)) + eps  # the documented formula
+    k = F.relu(F.rms_norm(k, (48,), module.k_norm.weight, eps=norm_eps)) + eps
+    out = naive_linear_attention(*(module.split_heads(t) for t in (q, k, v)), eps=eps)
+    expected = module.proj(out.transpose(1, 2).flatten(2))
+    torch.testing.assert_close(module(x), expected, rtol=1e-12, atol=1e-12)
+    assert LinearAttention(48, 3, qk_norm=True, eps=0.1).q_norm.eps == 1e-6  # an eps ablation keeps the norm
+

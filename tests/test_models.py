@@ -270,3 +270,10 @@ def test_whole_model_prints_its_attention_class_pickles_and_deep_copies(name, tm
     for copy in (torch.load(tmp_path / "model.pth", weights_only=False), pickle.loads(pickle.dumps(model)),
                  deepcopy(model)):
         assert torch.equal(copy(x), expected)
+
+
+def test_models_take_norm_eps():
+    model = timm.create_model("deit_tiny_mhla", img_size=32, patch_size=8, depth=1, block_grid=(2, 2), eps=1e-3,
+                              norm_eps=1e-5)
+    attn = model.blocks[0].attn
+    assert attn.eps == 1e-3 and attn.q_norm.eps == attn.k_norm.eps == 1e-5
