@@ -14,7 +14,7 @@ import models  # noqa: F401  (registers the models)
 from mhla.checkpoint import CheckpointError
 from mhla.config import ConfigError, check_resources, load_config
 from mhla.engine import NonFiniteLossError
-from mhla.trainer import run
+from mhla.trainer import check_buildable, run
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -32,6 +32,7 @@ def main(argv=None) -> int:
     try:
         config = load_config(args.config, args.set)
         check_resources(config)
+        check_buildable(config)
         if args.resume not in (None, "auto"):
             from pathlib import Path
 

@@ -1,9 +1,10 @@
 """Run configuration: one table of defaults, YAML files that hold only what they change, validation.
 
 A config file may name a ``base:`` file (relative to itself) whose values it overrides, key by key
-(nested tables merge). ``--set key=value`` overrides use dotted keys and YAML values
-(``--set optim.lr=5e-4 --set data.img_size=32``). Every value is checked against the defaults before
-any work starts; a problem is a ``ConfigError`` whose one-line message names the key and the file.
+(nested tables merge, ``model.kwargs`` too). ``--set key=value`` overrides use dotted keys and YAML
+values (``--set optim.lr=5e-4 --set model.kwargs.block_grid=[1,1]``) and merge the same way. Every
+value is checked against the defaults before any work starts; a problem is a ``ConfigError`` whose
+one-line message names the key and the file.
 """
 import copy
 import difflib
@@ -14,7 +15,8 @@ from typing import Any
 
 import yaml
 
-__all__ = ["DATASETS", "DEFAULTS", "ConfigError", "check_resources", "load_config", "parse_overrides", "validate"]
+__all__ = ["DATASETS", "DEFAULTS", "ConfigError", "check_resources", "load_config", "parse_overrides", "validate",
+           "where_set"]
 
 DATASETS = ("imagenet", "imagefolder", "cifar10", "cifar100", "mnist5k")
 
@@ -147,11 +149,12 @@ def _read_yaml(path: Path) -> dict:
 
 
 def _merge(base: dict, update: dict, sources: dict, source: str, prefix: str = "") -> dict:
-    """``base`` updated by ``update`` (nested tables merged); records where each key came from."""
+    """``base`` updated by ``update``, key by key (nested tables merge, free-form ones too); records
+    where each key came from."""
     out = dict(base)
     for key, value in update.items():
         dotted = f"{prefix}{key}"
-        if isinstance(value, dict) and isinstance(out.get(key), dict) and dotted not in FREE_FORM:
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
             out[key] = _merge(out[key], value, sources, source, dotted + ".")
         else:
             out[key] = value
@@ -200,7 +203,7 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> dict:
     return config
 
 
-def _where(key: str, sources: dict) -> str:
+def where_set(key: str, sources: dict) -> str:
     """Where ``key`` (or the table that holds it) was set."""
     parts = key.split(".")
     for end in range(len(parts), 0, -1):
@@ -218,7 +221,7 @@ def _check_type(key: str, value: Any, default: Any, sources: dict) -> None:
         return
     if isinstance(value, bool) != (expected is bool) or not isinstance(value, expected):
         raise ConfigError(f"{key}: expected {expected.__name__}, got {type(value).__name__} {value!r}"
-                          f"{_where(key, sources)}")
+                          f"{where_set(key, sources)}")
 
 
 def check_resources(config: dict) -> None:
@@ -233,25 +236,25 @@ def check_resources(config: dict) -> None:
     if not timm.is_model(name):
         hint = difflib.get_close_matches(name, timm.list_models("deit_*"), n=1)
         suggestion = f"; did you mean {hint[0]!r}?" if hint else ""
-        raise ConfigError(f"model.name: unknown model {name!r}{_where('model.name', sources)}{suggestion}")
+        raise ConfigError(f"model.name: unknown model {name!r}{where_set('model.name', sources)}{suggestion}")
     data = config["data"]
     world, accum = int(os.environ.get("WORLD_SIZE", "1")), config["optim"]["accum_steps"]
     if data["batch_size"] % (world * accum):
         raise ConfigError(f"data.batch_size: {data['batch_size']} is not divisible by {world} process(es) x "
-                          f"{accum} accumulation step(s){_where('data.batch_size', sources)}")
+                          f"{accum} accumulation step(s){where_set('data.batch_size', sources)}")
     per_process = data["batch_size"] // (world * accum)
     if (config["aug"]["mixup"] > 0 or config["aug"]["cutmix"] > 0) and per_process % 2:
         raise ConfigError(f"data.batch_size: the per-process batch ({per_process}) must be even with mixup/cutmix"
-                          f"{_where('data.batch_size', sources)}")
+                          f"{where_set('data.batch_size', sources)}")
     root = Path(data["root"])
     if data["dataset"] in ("imagenet", "imagefolder"):
         for split in ("train", "val"):
             if not (root / split).is_dir():
                 raise ConfigError(f"data.root: {root / split} is not a directory (expected ImageFolder layout "
-                                  f"root/train, root/val){_where('data.root', sources)}")
+                                  f"root/train, root/val){where_set('data.root', sources)}")
     elif data["dataset"] in ("cifar10", "cifar100") and not data["download"] and not root.is_dir():
         raise ConfigError(f"data.root: {root} does not exist; set data.download: true to fetch "
-                          f"{data['dataset']}{_where('data.root', sources)}")
+                          f"{data['dataset']}{where_set('data.root', sources)}")
 
 
 def _walk(config: dict, defaults: dict, sources: dict, prefix: str = "") -> None:
@@ -262,25 +265,25 @@ def _walk(config: dict, defaults: dict, sources: dict, prefix: str = "") -> None
         if key not in defaults:
             hint = difflib.get_close_matches(key, list(defaults), n=1)
             suggestion = f"; did you mean '{prefix}{hint[0]}'?" if hint else ""
-            raise ConfigError(f"unknown key {dotted!r}{_where(dotted, sources)}{suggestion}")
+            raise ConfigError(f"unknown key {dotted!r}{where_set(dotted, sources)}{suggestion}")
         default = defaults[key]
         if dotted in FREE_FORM:
             if not isinstance(value, dict):
-                raise ConfigError(f"{dotted}: expected a mapping, got {value!r}{_where(dotted, sources)}")
+                raise ConfigError(f"{dotted}: expected a mapping, got {value!r}{where_set(dotted, sources)}")
             continue
         if isinstance(default, dict):
             if not isinstance(value, dict):
-                raise ConfigError(f"{dotted}: expected a table of keys, got {value!r}{_where(dotted, sources)}")
+                raise ConfigError(f"{dotted}: expected a table of keys, got {value!r}{where_set(dotted, sources)}")
             _walk(value, default, sources, dotted + ".")
             continue
         _check_type(dotted, value, default, sources)
         if dotted in CHOICES and value not in CHOICES[dotted]:
-            raise ConfigError(f"{dotted}: {value!r} is not one of {CHOICES[dotted]}{_where(dotted, sources)}")
+            raise ConfigError(f"{dotted}: {value!r} is not one of {CHOICES[dotted]}{where_set(dotted, sources)}")
         if dotted in RANGES and value is not None:
             low, high, inclusive = RANGES[dotted]
             if (value < low if inclusive else value <= low) or (high is not None and value > high):
                 bound = f"{'>=' if inclusive else '>'} {low}" + (f" and <= {high}" if high is not None else "")
-                raise ConfigError(f"{dotted}: {value!r} is out of range (must be {bound}){_where(dotted, sources)}")
+                raise ConfigError(f"{dotted}: {value!r} is out of range (must be {bound}){where_set(dotted, sources)}")
 
 
 def validate(config: dict, sources: dict | None = None) -> None:
@@ -291,4 +294,4 @@ def validate(config: dict, sources: dict | None = None) -> None:
         section, name = key.split(".")
         value = config[section][name]
         if len(value) != 2 or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in value):
-            raise ConfigError(f"{key}: expected two numbers, got {value!r}{_where(key, sources)}")
+            raise ConfigError(f"{key}: expected two numbers, got {value!r}{where_set(key, sources)}")

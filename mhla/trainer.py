@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import math
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -26,12 +27,13 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Subset
 
 from .checkpoint import get_rng_state, load_checkpoint, save_atomic, set_rng_state
+from .config import ConfigError, where_set
 from .data import EpochSampler, build_datasets, collate_skipping, shard_indices
 from .distributed import DistInfo, init_distributed
 from .engine import TrainState, evaluate, train_one_epoch
 from .run_log import MetricsLog, start_wandb, write_run_info
 
-__all__ = ["resolve_resume", "run"]
+__all__ = ["build_model", "build_optimizer", "build_scheduler", "check_buildable", "resolve_resume", "run"]
 
 
 def resolve_resume(resume: str | None, run_dir: Path) -> Path | None:
@@ -42,6 +44,74 @@ def resolve_resume(resume: str | None, run_dir: Path) -> Path | None:
         path = run_dir / "last.pth"
         return path if path.is_file() else None
     return Path(resume)
+
+
+def build_model(config: dict, num_classes: int) -> torch.nn.Module:
+    """The config's timm model (``model.name``, ``model.kwargs``, ``model.drop_path``, ``data.img_size``)."""
+    model = config["model"]
+    return timm.create_model(model["name"], num_classes=num_classes, img_size=config["data"]["img_size"],
+                             drop_path_rate=model["drop_path"], **model["kwargs"])
+
+
+def build_optimizer(model: torch.nn.Module, optim: dict) -> torch.optim.Optimizer:
+    """timm's optimizer factory on the ``optim`` table (W is left out of weight decay by the model)."""
+    return create_optimizer_v2(model, opt=optim["name"], lr=optim["lr"], weight_decay=optim["weight_decay"],
+                               betas=tuple(optim["betas"]), eps=optim["eps"])
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, config: dict, updates_per_epoch: int):
+    """timm's scheduler factory on the ``sched`` table, stepped per optimizer update."""
+    sched = config["sched"]
+    scheduler, _ = create_scheduler_v2(
+        optimizer, sched=sched["name"], num_epochs=config["epochs"], warmup_epochs=sched["warmup_epochs"],
+        warmup_lr=sched["warmup_lr"], min_lr=sched["min_lr"], step_on_epochs=False,
+        updates_per_epoch=updates_per_epoch)
+    return scheduler
+
+
+def _model_key(message: str, config: dict) -> str:
+    """The config key an error message from building the model is about: a key it names, else ``model.kwargs``."""
+    words = set(re.findall(r"\w+", message))
+    sources = config.get("_sources", {})
+    keys = ["data.img_size"] + [f"model.kwargs.{k}" for k in config["model"]["kwargs"]]
+    named = [key for key in keys if key.rsplit(".", 1)[-1] in words]
+    named.sort(key=lambda key: sources.get(key) != "--set")  # stable: what the command line set comes first
+    return named[0] if named else "model.kwargs"
+
+
+_BUILD_ERRORS = (ValueError, TypeError, AssertionError, KeyError, RuntimeError)
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+@contextlib.contextmanager
+def _config_error(key: str, sources: dict):
+    """Turn an error raised while building from the config into a ``ConfigError`` naming ``key``."""
+    try:
+        yield
+    except _BUILD_ERRORS as e:
+        raise ConfigError(f"{key}: {_first_line(e)}{where_set(key, sources)}") from None
+
+
+def check_buildable(config: dict) -> None:
+    """Build the model on the ``meta`` device (no memory, no work), its optimizer and its scheduler.
+
+    Raises ``ConfigError``: one line naming the key the problem is about and where it was set. Call
+    after ``check_resources`` (the model name is registered).
+    """
+    sources, name = config.get("_sources", {}), config["model"]["name"]
+    try:
+        with torch.device("meta"):
+            model = build_model(config, num_classes=timm.get_pretrained_cfg(name).num_classes)
+    except _BUILD_ERRORS as e:
+        key = _model_key(_first_line(e), config)
+        raise ConfigError(f"{key}: cannot build {name}: {_first_line(e)}{where_set(key, sources)}") from None
+    with _config_error("optim.name", sources):
+        optimizer = build_optimizer(model, config["optim"])
+    with _config_error("sched.name", sources):
+        build_scheduler(optimizer, config, updates_per_epoch=1)
 
 
 def _seed(seed: int) -> None:
@@ -86,18 +156,10 @@ class _Run:
         self.val_loader = DataLoader(Subset(val_set, shard_indices(len(val_set), world, info.rank)),
                                      batch_size=val_batch, shuffle=False, **loader_args)
 
-        model = timm.create_model(name, num_classes=num_classes, img_size=data["img_size"],
-                                  drop_path_rate=config["model"]["drop_path"], **config["model"]["kwargs"])
-        self.model = model.to(info.device)
-        self.optimizer = create_optimizer_v2(self.model, opt=optim["name"], lr=optim["lr"],
-                                             weight_decay=optim["weight_decay"], betas=tuple(optim["betas"]),
-                                             eps=optim["eps"])
+        self.model = build_model(config, num_classes).to(info.device)
+        self.optimizer = build_optimizer(self.model, optim)
         updates_per_epoch = max(1, math.ceil(self.sampler.batches_per_epoch / accum))  # a short last group updates too
-        sched = config["sched"]
-        self.scheduler, _ = create_scheduler_v2(
-            self.optimizer, sched=sched["name"], num_epochs=config["epochs"], warmup_epochs=sched["warmup_epochs"],
-            warmup_lr=sched["warmup_lr"], min_lr=sched["min_lr"], step_on_epochs=False,
-            updates_per_epoch=updates_per_epoch)
+        self.scheduler = build_scheduler(self.optimizer, config, updates_per_epoch)
         self.ema = ModelEmaV3(self.model, decay=config["ema"]["decay"]) if config["ema"]["enabled"] else None
         self.mixup = None
         if aug["mixup"] > 0 or aug["cutmix"] > 0:

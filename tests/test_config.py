@@ -3,7 +3,7 @@ import re
 
 import pytest
 import yaml
-from helpers import make_image_folder, run_train, tiny_config
+from helpers import ROOT, make_image_folder, run_train, tiny_config
 
 import train
 from mhla.config import DEFAULTS, ConfigError, load_config
@@ -26,10 +26,18 @@ def test_defaults_base_chain_and_overrides(tmp_path):
     assert config["run_name"] == "child"
 
 
-def test_model_kwargs_are_replaced_not_merged(tmp_path):
+def test_model_kwargs_merge_key_by_key(tmp_path):
     write(tmp_path / "base.yaml", "model:\n  kwargs: {block_grid: [2, 2], depth: 4}\n")
     write(tmp_path / "child.yaml", "base: base.yaml\nmodel:\n  kwargs: {depth: 2}\n")
-    assert load_config(tmp_path / "child.yaml")["model"]["kwargs"] == {"depth": 2}
+    assert load_config(tmp_path / "child.yaml")["model"]["kwargs"] == {"block_grid": [2, 2], "depth": 2}
+
+
+def test_set_one_model_kwarg_keeps_the_others():
+    quickstart = load_config(ROOT / "configs" / "quickstart.yaml")
+    config = load_config(ROOT / "configs" / "quickstart.yaml", ["model.kwargs.block_grid=[1,1]"])
+    assert config["model"]["kwargs"] == {**quickstart["model"]["kwargs"], "block_grid": [1, 1]}
+    assert {"embed_dim", "depth", "num_heads", "patch_size"} <= config["model"]["kwargs"].keys()
+    assert config["_sources"]["model.kwargs.block_grid"] == "--set"
 
 
 @pytest.mark.parametrize("content,overrides,match", [
@@ -56,6 +64,15 @@ def test_bad_values_name_the_key_and_the_file(tmp_path, content, overrides, matc
     ({}, ["optim.lrr=1"], "unknown key 'optim.lrr' \\(from --set\\); did you mean 'optim.lr'"),
     ({}, ["data.batch_size=6", "optim.accum_steps=4"], "data.batch_size: 6 is not divisible"),
     ({"aug": {"mixup": 0.8}}, ["data.batch_size=3"], "must be even with mixup"),
+    ({}, ["data.img_size=30"], r"data.img_size: cannot build deit_tiny_mhla: img_size \(30, 30\) is not divisible by "
+                               r"patch_size \(8, 8\) \(from --set\)$"),
+    ({}, ["model.kwargs.block_grid=[20,20]"],
+     r"model.kwargs.block_grid: .*block_grid 20x20 is larger than the token grid 4x4 \(from --set\)$"),
+    ({}, ["model.kwargs.transform=nope"], r"model.kwargs.transform: .*unknown mixing transform 'nope'"),
+    ({}, ["model.kwargs.nope=1"], r"model.kwargs.nope: .*unexpected keyword argument 'nope' \(from --set\)$"),
+    ({}, ["model.kwargs.depth=-1"], r"model.kwargs: cannot build deit_tiny_mhla: "),
+    ({}, ["sched.name=cosinee"], r"sched.name: Unknown scheduler 'cosinee'. \(from --set\)$"),
+    ({}, ["optim.name=adamww"], r"optim.name: Optimizer adamww not found in registry \(from --set\)$"),
 ])
 def test_train_refuses_bad_configs_before_any_work(tmp_path, capsys, sections, overrides, match):
     config = tiny_config(tmp_path, make_image_folder(tmp_path / "data"), **sections)
