@@ -1,14 +1,18 @@
 """Evaluate a checkpoint: top-1, top-5, loss, throughput, params and GMACs, at any resolution.
 
     python validate.py --config configs/quickstart.yaml --checkpoint output/quickstart/best.pth
+    python validate.py --checkpoint output/quickstart/last.pth --dataset mnist5k
     python validate.py --model deit_tiny_mhla --checkpoint weights.pth --data-dir /data/imagenet --img-size 384
     torchrun --nproc_per_node=8 validate.py --config configs/deit_t_mhla.yaml --checkpoint best.pth --ema
 
-With ``--config``, the model and the data come from the config (its validation split). With
-``--model``, ``--data-dir`` is an ImageFolder (``DIR/val`` if it exists, else ``DIR`` itself) or
-``--dataset`` names one (``mnist5k`` needs no directory). Evaluation transforms follow the model's
-pretrained cfg (crop_pct, interpolation, mean/std) unless the config sets them. Problems with the
-arguments, the checkpoint or the data are one-line errors with exit code 2.
+The model is found as ``mhla.evaluation.resolve_model`` says, the same rule as every script's: a
+``train.py`` checkpoint names its own model, keywords, image size, crop and interpolation (what was
+trained, ``--set`` overrides included), ``--model`` / ``--model-kwargs`` / ``--img-size`` override
+them, and a plain state dict needs ``--model`` (or ``--config``). The data come from ``--config``
+(its validation split), or ``--data-dir`` is an ImageFolder (``DIR/val`` if it exists, else ``DIR``
+itself), or ``--dataset`` names one (``mnist5k`` needs no directory). Evaluation transforms follow
+the model's pretrained cfg (crop_pct, interpolation, mean/std) unless the training config set them.
+Problems with the arguments, the checkpoint or the data are one-line errors with exit code 2.
 """
 import argparse
 import contextlib
@@ -21,14 +25,15 @@ from pathlib import Path
 import timm
 import torch
 from timm.data import resolve_data_config
+from timm.utils import ParseKwargs
 from torch.utils.data import DataLoader, Subset
 
 import models  # noqa: F401  (registers the models)
-from mhla.checkpoint import CheckpointError
+from mhla.checkpoint import CheckpointError, load_checkpoint
 from mhla.config import DATASETS, ConfigError, load_config
 from mhla.data import AugmentedDataset, base_dataset, collate_skipping, eval_transform, image_folder, shard_indices
 from mhla.distributed import init_distributed
-from mhla.evaluation import WeightsError, load_weights, measure
+from mhla.evaluation import WeightsError, load_weights, measure, resolve_model
 
 KEYS = ["model", "checkpoint", "img_size", "top1", "top5", "loss", "num_images", "img_per_s", "params", "gmacs"]
 
@@ -36,8 +41,10 @@ KEYS = ["model", "checkpoint", "img_size", "top1", "top5", "loss", "num_images",
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", required=True, help="train.py checkpoint or a state dict (.pth)")
-    parser.add_argument("--config", help="take the model and the data from this training config")
-    parser.add_argument("--model", help="model name (without --config)")
+    parser.add_argument("--config", help="training config: the data (and the model of a plain state dict)")
+    parser.add_argument("--model", help="model name (a train.py checkpoint names its own)")
+    parser.add_argument("--model-kwargs", nargs="*", default={}, action=ParseKwargs, metavar="KEY=VALUE",
+                        help="create_model keywords over the checkpoint's, e.g. --model-kwargs form=blocks")
     parser.add_argument("--data-dir", type=Path, help="ImageFolder root (without --config)")
     parser.add_argument("--dataset", choices=DATASETS, default="imagefolder", help="named dataset (without --config)")
     parser.add_argument("--ema", action="store_true", help="evaluate the EMA weights of a train.py checkpoint")
@@ -51,32 +58,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def resolve(args) -> dict:
-    """What to evaluate: model name and kwargs, dataset, image size, transform overrides; or ConfigError."""
+def resolve(args) -> tuple[dict, dict]:
+    """The checkpoint's content and what to evaluate (model, data, transform); or ConfigError/WeightsError."""
     if not Path(args.checkpoint).is_file():
         raise ConfigError(f"--checkpoint: {args.checkpoint} does not exist")
-    if args.config:
-        config = load_config(args.config)
-        data, aug = config["data"], config["aug"]
-        spec = dict(model=config["model"]["name"], kwargs=config["model"]["kwargs"], dataset=data["dataset"],
-                    root=data["root"], val_fraction=data["val_fraction"], img_size=data["img_size"],
-                    crop_pct=aug["crop_pct"], interpolation=aug["interpolation"])
+    checkpoint = load_checkpoint(args.checkpoint)
+    config = load_config(args.config) if args.config else None
+    model = resolve_model(checkpoint, args.model, args.model_kwargs, config)
+    if config is not None:
+        data = config["data"]
+        spec = dict(dataset=data["dataset"], root=data["root"], val_fraction=data["val_fraction"])
     else:
-        if not args.model:
-            raise ConfigError("--model (or --config) is required")
-        spec = dict(model=args.model, kwargs={}, dataset=args.dataset, root=args.data_dir, val_fraction=0.2,
-                    img_size=None, crop_pct=None, interpolation=None)
-    if not timm.is_model(spec["model"]):
-        raise ConfigError(f"--model: unknown model {spec['model']!r}")
+        trained = checkpoint.get("config", {}).get("data", {})  # mnist5k: the split the run validated on
+        spec = dict(dataset=args.dataset, root=args.data_dir,
+                    val_fraction=trained.get("val_fraction", 0.2) if trained.get("dataset") == args.dataset else 0.2)
     if spec["dataset"] != "mnist5k":
         if spec["root"] is None:
             raise ConfigError("--data-dir is required for this dataset")
         if not Path(spec["root"]).is_dir():
             raise ConfigError(f"--data-dir: {spec['root']} is not a directory")
-    if args.img_size:
-        spec["img_size"] = args.img_size
-    spec["img_size"] = spec["img_size"] or timm.get_pretrained_cfg(spec["model"]).input_size[-1]
-    return spec
+    spec.update(model=model.name, kwargs=model.kwargs, crop_pct=model.crop_pct, interpolation=model.interpolation,
+                img_size=args.img_size or model.img_size or timm.get_pretrained_cfg(model.name).input_size[-1])
+    return checkpoint, spec
 
 
 def dataset_for(spec: dict, from_config: bool):
@@ -89,17 +92,17 @@ def dataset_for(spec: dict, from_config: bool):
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        spec = resolve(args)
+        checkpoint, spec = resolve(args)
         dataset = dataset_for(spec, bool(args.config))
-    except (ConfigError, FileNotFoundError, RuntimeError) as e:
+    except (ConfigError, WeightsError, CheckpointError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     info = init_distributed(args.device)
     try:
         model = timm.create_model(spec["model"], num_classes=len(dataset.classes), img_size=spec["img_size"],
                                   **spec["kwargs"])
-        load_weights(model, args.checkpoint, args.ema)
-    except (CheckpointError, WeightsError, ValueError, TypeError) as e:
+        load_weights(model, args.checkpoint, args.ema, checkpoint)
+    except (WeightsError, ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     model = model.to(info.device)

@@ -1,5 +1,6 @@
 """Evaluate a checkpoint: load weights with clear errors, run the validation set, report."""
 import time
+from dataclasses import dataclass, field
 
 import torch
 from timm.models.vision_transformer import checkpoint_filter_fn
@@ -9,7 +10,7 @@ from .checkpoint import load_checkpoint
 from .distributed import DistInfo
 from .engine import evaluate
 
-__all__ = ["WeightsError", "load_model_spec", "load_weights", "measure"]
+__all__ = ["ModelSpec", "WeightsError", "load_model_spec", "load_weights", "measure", "resolve_model"]
 
 
 class WeightsError(ValueError):
@@ -29,17 +30,19 @@ def _state_dict(checkpoint: dict, use_ema: bool, path) -> dict:
     return checkpoint
 
 
-def load_weights(model: torch.nn.Module, path, use_ema: bool = False) -> None:
+def load_weights(model: torch.nn.Module, path, use_ema: bool = False, checkpoint: dict | None = None) -> None:
     """Load a ``train.py`` checkpoint (model or EMA weights) or a state dict into ``model``.
 
     Position embeddings are resampled to the model's grid (timm's ``checkpoint_filter_fn``).
+    ``checkpoint`` is the file's content when it has been read already.
 
     Raises:
         CheckpointError: missing or unreadable file.
         WeightsError: another architecture (first missing and unexpected keys), another class
             count, or no EMA weights when they are asked for.
     """
-    state = _state_dict(load_checkpoint(path), use_ema, path)
+    checkpoint = load_checkpoint(path) if checkpoint is None else checkpoint
+    state = _state_dict(checkpoint, use_ema, path)
     state = checkpoint_filter_fn(state, model)
     target = model.state_dict()
     head = "head.weight"
@@ -59,32 +62,93 @@ def load_weights(model: torch.nn.Module, path, use_ema: bool = False) -> None:
     model.load_state_dict(state)
 
 
+@dataclass
+class ModelSpec:
+    """What to build to evaluate or analyse weights: ``timm.create_model(name, **kwargs)`` and how it trained.
+
+    Attributes:
+        name: registered model name.
+        kwargs: ``create_model`` keywords (the training config's ``model.kwargs``).
+        num_classes: classes of the checkpoint's head (None without a checkpoint).
+        img_size, crop_pct, interpolation: the training config's evaluation settings (None: unknown).
+    """
+
+    name: str
+    kwargs: dict = field(default_factory=dict)
+    num_classes: int | None = None
+    img_size: int | None = None
+    crop_pct: float | None = None
+    interpolation: str | None = None
+
+
+def resolve_model(checkpoint: dict | None = None, name: str | None = None, kwargs: dict | None = None,
+                  config: dict | None = None) -> ModelSpec:
+    """The model a checkpoint holds, from the one rule that ``validate.py`` and every script use.
+
+    Highest first: the command line (``name``, ``kwargs``), then a ``train.py`` checkpoint's own
+    config (model name, ``model.kwargs``, image size, crop and interpolation: exactly what was
+    trained, ``--set`` overrides included), then a training ``config`` given beside it. The
+    checkpoint's (or config's) keywords apply only to its own model: naming another model on the
+    command line starts from no keywords. A plain state dict says nothing about its model, so it
+    needs ``name`` or ``config``. Call after the model registrations are imported.
+
+    Args:
+        checkpoint: the loaded checkpoint (``load_checkpoint``), or None for a fresh model.
+        name: model name from the command line.
+        kwargs: ``create_model`` keywords from the command line, over the others.
+        config: a training config (``load_config``).
+
+    Raises:
+        WeightsError: no model named anywhere, or an unknown model name.
+    """
+    import timm
+
+    sources = []  # lowest first
+    if config is not None:
+        sources.append(_spec_of(config))
+    if checkpoint is not None and isinstance(checkpoint.get("config"), dict):
+        sources.append(_spec_of(checkpoint["config"]))
+    spec = sources[-1] if sources else None
+    if name is not None and (spec is None or name != spec.name):
+        spec = ModelSpec(name)
+    if spec is None:
+        raise WeightsError("--model: the checkpoint is a plain state dict, which does not say which model it holds; "
+                           "name the model with --model (or --config)")
+    if not timm.is_model(spec.name):
+        raise WeightsError(f"--model: unknown model {spec.name!r}")
+    spec.kwargs = {**spec.kwargs, **(kwargs or {})}
+    if checkpoint is not None:
+        weights = checkpoint["model"] if isinstance(checkpoint.get("model"), dict) else checkpoint
+        if "head.weight" in weights:
+            spec.num_classes = weights["head.weight"].shape[0]
+    return spec
+
+
+def _spec_of(config: dict) -> ModelSpec:
+    data, aug = config.get("data", {}), config.get("aug", {})
+    return ModelSpec(config["model"]["name"], dict(config["model"].get("kwargs", {})), None, data.get("img_size"),
+                     aug.get("crop_pct"), aug.get("interpolation"))
+
+
 def load_model_spec(spec: str, img_size: int) -> torch.nn.Module:
     """``NAME``, ``CONFIG.yaml`` or either with ``:CHECKPOINT`` -> a model in eval mode at ``img_size``.
 
-    A training config gives the model's name and kwargs; a ``train.py`` checkpoint gives its kwargs
-    (from its config) and class count; a state dict gives the class count. Call after the model
-    registrations are imported.
+    The model is the one ``resolve_model`` finds: a ``train.py`` checkpoint's own model and
+    keywords, a training config's, or the name; the class count is the checkpoint's. Call after the
+    model registrations are imported.
     """
     import timm
 
     from .config import load_config
 
-    name, _, path = spec.partition(":")
-    kwargs = {}
-    if name.endswith((".yaml", ".yml")):
-        config = load_config(name)
-        name, kwargs = config["model"]["name"], dict(config["model"]["kwargs"])
-    if not timm.is_model(name):
-        raise WeightsError(f"--model: unknown model {name!r}")
-    if path:
-        checkpoint = load_checkpoint(path)
-        if isinstance(checkpoint.get("config"), dict):
-            kwargs = dict(checkpoint["config"]["model"]["kwargs"])
-        kwargs["num_classes"] = checkpoint.get("model", checkpoint)["head.weight"].shape[0]
-    model = timm.create_model(name, img_size=img_size, **kwargs)
-    if path:
-        load_weights(model, path)
+    source, _, path = spec.partition(":")
+    config = load_config(source) if source.endswith((".yaml", ".yml")) else None
+    checkpoint = load_checkpoint(path) if path else None
+    resolved = resolve_model(checkpoint, None if config else source, config=config)
+    extra = {} if resolved.num_classes is None else {"num_classes": resolved.num_classes}
+    model = timm.create_model(resolved.name, img_size=img_size, **resolved.kwargs, **extra)
+    if checkpoint is not None:
+        load_weights(model, path, checkpoint=checkpoint)
     return model.eval()
 
 

@@ -12,6 +12,7 @@ from helpers import ROOT, make_image_folder, run_train, tiny_config
 
 import models  # noqa: F401  (registers the models)
 import validate
+from mhla.evaluation import WeightsError, load_model_spec, resolve_model
 
 
 def run_validate(*args, prefix=()):
@@ -119,3 +120,39 @@ def test_errors(trained, tmp_path, capsys):
         err = capsys.readouterr().err
         lines = [line for line in err.splitlines() if line.startswith("error:")]
         assert len(lines) == 1 and re.search(match, lines[0]), (match, err)
+
+
+def test_model_name_with_a_train_checkpoint_builds_what_was_trained(trained, tmp_path):
+    """A train.py checkpoint carries its model keywords and image size: ``--model NAME`` needs no more."""
+    out = tmp_path / "r.json"
+    proc = run_validate("--model", "deit_tiny_mhla", "--checkpoint", trained["checkpoint"], "--data-dir",
+                        trained["data"], "--workers", 0, "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["img_size"] == 32 and result["num_images"] == 9
+    assert result["top1"] == pytest.approx(trained["metrics"]["val_top1"])
+    assert result["top5"] == pytest.approx(trained["metrics"]["val_top5"])
+    assert result["loss"] == pytest.approx(trained["metrics"]["val_loss"], rel=1e-5)
+
+
+def test_one_resolver_for_every_loader(trained):
+    checkpoint = torch.load(trained["checkpoint"], weights_only=True)
+    trained_kwargs = checkpoint["config"]["model"]["kwargs"]
+    spec = resolve_model(checkpoint)
+    assert (spec.name, spec.kwargs, spec.num_classes, spec.img_size) == ("deit_tiny_mhla", trained_kwargs, 3, 32)
+    assert resolve_model(checkpoint, "deit_tiny_mhla", {"form": "blocks"}).kwargs == {**trained_kwargs,
+                                                                                      "form": "blocks"}
+    assert resolve_model(checkpoint, "deit_tiny_linear").kwargs == {}  # keywords belong to their own model
+    with pytest.raises(WeightsError, match="plain state dict, which does not say which model"):
+        resolve_model(checkpoint["model"])
+    scripted = load_model_spec(f"deit_tiny_mhla:{trained['checkpoint']}", img_size=32)
+    assert len(scripted.blocks) == trained_kwargs["depth"] and scripted.embed_dim == trained_kwargs["embed_dim"]
+
+
+def test_the_checkpoint_gives_the_mnist5k_split_it_validated_on(trained, tmp_path):
+    checkpoint = torch.load(trained["checkpoint"], weights_only=True)
+    checkpoint["config"]["data"].update(dataset="mnist5k", val_fraction=0.1)
+    path = tmp_path / "mnist.pth"
+    torch.save(checkpoint, path)
+    _, spec = validate.resolve(validate.parse_args(["--checkpoint", str(path), "--dataset", "mnist5k"]))
+    assert spec["val_fraction"] == 0.1 and spec["model"] == "deit_tiny_mhla" and spec["img_size"] == 32
