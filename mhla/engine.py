@@ -69,14 +69,14 @@ class _LossWindow:
             dist.all_reduce(totals)
         loss_sum, samples, non_finite = totals.tolist()
         if non_finite:
-            first, last = self.where[0][0], self.where[-1][0]
             local = (~finite).nonzero()
             if len(local):
                 i = int(local[0])
                 step, epoch, batch = self.where[i]
                 found = f"loss is {losses[i].item()} at step {step} (epoch {epoch}, batch {batch})"
             else:
-                found = f"loss is not finite on another process between steps {first} and {last}"
+                found = (f"loss is not finite on another process between steps {self.where[0][0]} and "
+                         f"{self.where[-1][0]}")
             raise NonFiniteLossError(f"{found}; training stopped")
         state.loss_sum += loss_sum
         state.samples += int(samples)
