@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Subset
 
 import models  # noqa: F401  (registers the models)
 from mhla.checkpoint import CheckpointError, load_checkpoint
-from mhla.config import DATASETS, ConfigError, load_config
+from mhla.config import DATASETS, DEFAULTS, ConfigError, load_config
 from mhla.data import AugmentedDataset, base_dataset, collate_skipping, eval_transform, image_folder, shard_indices
 from mhla.distributed import init_distributed
 from mhla.evaluation import WeightsError, load_weights, measure, resolve_model
@@ -70,8 +70,9 @@ def resolve(args) -> tuple[dict, dict]:
         spec = dict(dataset=data["dataset"], root=data["root"], val_fraction=data["val_fraction"])
     else:
         trained = checkpoint.get("config", {}).get("data", {})  # mnist5k: the split the run validated on
+        same = trained.get("dataset") == args.dataset
         spec = dict(dataset=args.dataset, root=args.data_dir,
-                    val_fraction=trained.get("val_fraction", 0.2) if trained.get("dataset") == args.dataset else 0.2)
+                    val_fraction=trained["val_fraction"] if same else DEFAULTS["data"]["val_fraction"])
     if spec["dataset"] != "mnist5k":
         if spec["root"] is None:
             raise ConfigError("--data-dir is required for this dataset")
