@@ -11,10 +11,10 @@ import argparse
 import sys
 
 import models  # noqa: F401  (registers the models)
-from mhla.checkpoint import CheckpointError
-from mhla.config import ConfigError, check_resources, load_config
-from mhla.engine import NonFiniteLossError
-from mhla.trainer import check_buildable, run
+from mhla.training.checkpoint import CheckpointError
+from mhla.training.config import ConfigError, check_resources, load_config
+from mhla.training.engine import NonFiniteLossError
+from mhla.training.trainer import check_buildable, run
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -5,7 +5,7 @@
     python validate.py --model deit_tiny_mhla --checkpoint weights.pth --data-dir /data/imagenet --img-size 384
     torchrun --nproc_per_node=8 validate.py --config configs/deit_t_mhla.yaml --checkpoint best.pth --ema
 
-The model is found as ``mhla.evaluation.resolve_model`` says, the same rule as every script's: a
+The model is found as ``mhla.training.evaluation.resolve_model`` says, the same rule as every script's: a
 ``train.py`` checkpoint names its own model, keywords, image size, crop and interpolation (what was
 trained, ``--set`` overrides included), ``--model`` / ``--model-kwargs`` / ``--img-size`` override
 them, and a plain state dict needs ``--model`` (or ``--config``). The data come from ``--config``
@@ -29,11 +29,18 @@ from timm.utils import ParseKwargs
 from torch.utils.data import DataLoader, Subset
 
 import models  # noqa: F401  (registers the models)
-from mhla.checkpoint import CheckpointError, load_checkpoint
-from mhla.config import DATASETS, DEFAULTS, ConfigError, load_config
-from mhla.data import AugmentedDataset, base_dataset, collate_skipping, eval_transform, image_folder, shard_indices
-from mhla.distributed import init_distributed
-from mhla.evaluation import WeightsError, load_weights, measure, resolve_model
+from mhla.training.checkpoint import CheckpointError, load_checkpoint
+from mhla.training.config import DATASETS, DEFAULTS, ConfigError, load_config
+from mhla.training.data import (
+    AugmentedDataset,
+    base_dataset,
+    collate_skipping,
+    eval_transform,
+    image_folder,
+    shard_indices,
+)
+from mhla.training.distributed import init_distributed
+from mhla.training.evaluation import WeightsError, load_weights, measure, resolve_model
 
 KEYS = ["model", "checkpoint", "img_size", "top1", "top5", "loss", "num_images", "img_per_s", "params", "gmacs"]
 

@@ -14,9 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["Timing", "count_macs", "keep_freed_memory", "peak_memory", "return_freed_memory", "time_call"]
+__all__ = ["Timing", "keep_freed_memory", "peak_memory", "return_freed_memory", "time_call"]
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
@@ -35,28 +34,6 @@ def time_call(fn: Callable[[], object], min_run_time: float = 1.0) -> Timing:
     timer = Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
     measurement = timer.blocked_autorange(min_run_time=min_run_time)
     return Timing(measurement.median * 1e3, measurement.iqr * 1e3, len(measurement.times))
-
-
-def count_macs(model: torch.nn.Module, input_size: tuple[int, ...]) -> int:
-    """Multiply-accumulates of one forward of ``model`` on a ``[1, *input_size]`` input.
-
-    Counted by ``torch.utils.flop_counter`` (matmuls, convolutions; not elementwise ops), whose
-    FLOPs are two per multiply-accumulate. It has no formula for the CPU kernel of fused SDPA, so
-    modules with timm's ``fused_attn`` switch run their explicit matmuls while counting.
-    """
-    param = next(model.parameters())
-    x = torch.zeros(1, *input_size, device=param.device, dtype=param.dtype)
-    fused = {m: m.fused_attn for m in model.modules() if getattr(m, "fused_attn", None) is True}
-    counter = FlopCounterMode(display=False)
-    try:
-        for m in fused:
-            m.fused_attn = False
-        with counter, torch.no_grad():
-            model(x)
-    finally:
-        for m, value in fused.items():
-            m.fused_attn = value
-    return counter.get_total_flops() // 2
 
 
 def _proc_status_bytes(field: str) -> int | None:

@@ -18,9 +18,9 @@ from timm.data import resolve_data_config
 
 import models  # noqa: F401  (registers the models)
 from mhla.analysis import attention_map, capture_attention
-from mhla.checkpoint import CheckpointError
-from mhla.data import SKIMAGE_PHOTOS, SkimagePhotos, eval_transform
-from mhla.evaluation import WeightsError, load_model_spec
+from mhla.training.checkpoint import CheckpointError
+from mhla.training.data import SKIMAGE_PHOTOS, SkimagePhotos, eval_transform
+from mhla.training.evaluation import WeightsError, load_model_spec
 
 
 def load_image(name: str) -> Image.Image:

@@ -28,9 +28,9 @@ from tqdm import tqdm
 
 import models  # noqa: F401  (registers the models)
 from mhla.analysis import attention_matrix, capture_attention, matrix_rank, row_entropy
-from mhla.checkpoint import CheckpointError
-from mhla.data import AugmentedDataset, MNIST5k, SkimagePhotos, collate_skipping, eval_transform, image_folder
-from mhla.evaluation import WeightsError, load_model_spec
+from mhla.training.checkpoint import CheckpointError
+from mhla.training.data import AugmentedDataset, MNIST5k, SkimagePhotos, collate_skipping, eval_transform, image_folder
+from mhla.training.evaluation import WeightsError, load_model_spec
 
 PAPER = {"linear": (58.4, 5.12), "softmax": (254.8, 4.13), "mhla": (233.4, 4.06)}  # DeiT-T, 256 tokens
 

@@ -24,13 +24,13 @@ import torch
 
 import models  # noqa: F401  (registers the models)
 from mhla.benchmark import (
-    count_macs,
     keep_freed_memory,
     peak_memory,
     release_freed_memory,
     return_freed_memory,
     time_call,
 )
+from mhla.flops import count_macs
 
 DEFAULT_MODELS = ["deit_tiny_patch16_224", "deit_tiny_softmax", "deit_tiny_linear", "deit_tiny_mhla",
                   "deit_small_softmax", "deit_small_linear", "deit_small_mhla"]

@@ -15,7 +15,7 @@ import timm
 import torch
 
 import models
-from mhla.checkpoint import save_atomic
+from mhla.training.checkpoint import save_atomic
 
 
 def main(argv=None) -> int:

@@ -12,7 +12,7 @@ import argparse
 import timm
 
 import models  # noqa: F401  (registers the models)
-from mhla.benchmark import count_macs
+from mhla.flops import count_macs
 
 PAPER = {"deit_tiny": "5.7M / 1.1G", "deit_small": "22M / 4.2G"}
 REFERENCES = ["deit_tiny_patch16_224", "deit_small_patch16_224"]

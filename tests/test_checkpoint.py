@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from mhla.checkpoint import save_atomic
+from mhla.training.checkpoint import save_atomic
 
 
 def test_save_atomic_writes_and_replaces(tmp_path):

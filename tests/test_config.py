@@ -6,7 +6,7 @@ import yaml
 from helpers import ROOT, make_image_folder, run_train, tiny_config
 
 import train
-from mhla.config import DEFAULTS, ConfigError, load_config
+from mhla.training.config import DEFAULTS, ConfigError, load_config
 
 
 def write(path, data):

@@ -4,7 +4,7 @@ import pytest
 import torch
 from timm.data import create_transform
 
-from mhla.data import AugmentedDataset, EpochSampler, MNIST5k, collate_skipping, shard_indices
+from mhla.training.data import AugmentedDataset, EpochSampler, MNIST5k, collate_skipping, shard_indices
 
 
 def test_mnist5k_is_real_and_split_once():

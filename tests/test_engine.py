@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from mhla.distributed import DistInfo
-from mhla.engine import NonFiniteLossError, TrainState, train_one_epoch
+from mhla.training.distributed import DistInfo
+from mhla.training.engine import NonFiniteLossError, TrainState, train_one_epoch
 
 INFO = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 

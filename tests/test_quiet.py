@@ -8,7 +8,7 @@ ENTRY_POINTS = sorted(str(p.relative_to(ROOT)) for p in [*ROOT.glob("scripts/*.p
                                                            ROOT / "validate.py"])
 PROGRAM = """
 import contextlib, io, runpy, sys
-import mhla, mhla.analysis, mhla.benchmark, mhla.evaluation, models
+import mhla, mhla.analysis, mhla.benchmark, mhla.training.evaluation, models
 for path in {paths!r}:
     sys.argv = [path, "--help"]
     with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):

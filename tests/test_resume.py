@@ -12,7 +12,7 @@ KILLER = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
 sys.argv = ["train.py"] + {args!r}
-import mhla.trainer as trainer
+import mhla.training.trainer as trainer
 
 original = trainer._Run.on_step
 def on_step(self, state):

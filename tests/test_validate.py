@@ -12,7 +12,7 @@ from helpers import ROOT, make_image_folder, run_train, tiny_config
 
 import models  # noqa: F401  (registers the models)
 import validate
-from mhla.evaluation import WeightsError, load_model_spec, resolve_model
+from mhla.training.evaluation import WeightsError, load_model_spec, resolve_model
 
 
 def run_validate(*args, prefix=()):

@@ -253,7 +253,7 @@ class _Run:
 
 
 def run(config: dict, resume: str | None = None, argv: list[str] | None = None) -> list[dict]:
-    """Train as ``config`` says (validated by ``mhla.config``); returns the epoch metrics rows."""
+    """Train as ``config`` says (validated by ``mhla.training.config``); returns the epoch metrics rows."""
     info = init_distributed(config["device"])
     run_dir = Path(config["output_dir"]) / config["run_name"]
     resume_path = resolve_resume(resume, run_dir)

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 import torch
 from timm.models.vision_transformer import checkpoint_filter_fn
 
-from .benchmark import count_macs
+from ..flops import count_macs
 from .checkpoint import load_checkpoint
 from .distributed import DistInfo
 from .engine import evaluate

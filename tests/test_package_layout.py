@@ -1,0 +1,41 @@
+"""The attention library (``mhla``) stands apart from the training harness (``mhla.training``) and the models."""
+import ast
+import subprocess
+import sys
+
+from helpers import ROOT
+
+LIBRARY = sorted((ROOT / "mhla").glob("*.py"))
+HEAVY = ("mhla.training", "models", "wandb", "tqdm", "torchvision.datasets", "yaml")
+
+
+def imported_modules(path) -> set[str]:
+    """Absolute names of what a module imports (relative imports resolved against ``mhla``)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(["mhla"] + ([base] if base else []))
+            names.update([base] + [f"{base}.{alias.name}" for alias in node.names])
+    return names
+
+
+def test_the_library_never_imports_the_harness_or_the_models():
+    assert {p.name for p in LIBRARY} >= {"attention.py", "ops.py", "naive.py", "blocks.py", "analysis.py"}
+    for path in LIBRARY:
+        bad = {name for name in imported_modules(path) if name.startswith(("mhla.training", "models"))}
+        assert not bad, f"{path.name} imports {sorted(bad)}"
+
+
+def test_importing_the_library_stays_light():
+    """Nothing heavy beyond what torch itself loads (torch imports tqdm, for one)."""
+    modules = ", ".join(f"mhla.{p.stem}" for p in LIBRARY if p.stem != "__init__")
+    program = ("import sys, torch; before = set(sys.modules); "
+               f"import mhla, {modules}; print('\\n'.join(sorted(set(sys.modules) - before)))")
+    added = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, cwd=ROOT,
+                           timeout=120, check=True).stdout.split()
+    assert "mhla.attention" in added
+    assert not [name for name in added if name.startswith(HEAVY)]
