@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import LinearAttention, MultiHeadLinearAttention, _norm
+from .attention import LinearAttention, MultiHeadLinearAttention
 from .naive import linear_attention_matrix, mhla_attention_matrix, softmax_attention_matrix
 
 __all__ = ["LayerCapture", "attention_map", "attention_matrix", "capture_attention", "lepe_matrix", "matrix_rank",
@@ -53,32 +53,37 @@ def _is_attention(module: nn.Module) -> bool:
         hasattr(module, "qkv") and hasattr(module, "proj") and hasattr(module, "num_heads"))
 
 
-def _split_qkv(module: nn.Module, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v ``[B, H, N, D]`` from the qkv projection's output, as ``module`` computes them."""
-    if isinstance(module, LinearAttention):
-        q, k, v = qkv.chunk(3, dim=-1)
-        q, k = F.relu(_norm(module.q_norm, q)) + module.eps, F.relu(_norm(module.k_norm, k)) + module.eps
-        return module.split_heads(q), module.split_heads(k), module.split_heads(v)
+def _softmax_qkv(module: nn.Module, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v ``[B, H, N, D]`` of timm's softmax ``Attention`` from its qkv projection's output."""
     batch, tokens, _ = qkv.shape
     q, k, v = qkv.reshape(batch, tokens, 3, module.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
     return module.q_norm(q), module.k_norm(k), v
 
 
 def capture_attention(model: nn.Module, images: torch.Tensor) -> list[LayerCapture]:
-    """Run ``model(images)`` once (no grad) and return one ``LayerCapture`` per attention layer, in order."""
+    """Run ``model(images)`` once (no grad) and return one ``LayerCapture`` per attention layer, in order.
+
+    Linear kinds: q, k, v are the module's own ``features`` of its input; softmax: from its qkv output.
+    """
     captures: list[LayerCapture] = []
     handles = []
     for module in model.modules():
         if not _is_attention(module):
             continue
 
+        def on_input(_, inputs, module=module):
+            captures.append(LayerCapture(module, *(t.detach() for t in module.features(inputs[0]))))
+
         def on_qkv(_, __, output, module=module):
-            captures.append(LayerCapture(module, *(t.detach() for t in _split_qkv(module, output))))
+            captures.append(LayerCapture(module, *(t.detach() for t in _softmax_qkv(module, output))))
 
         def on_proj(_, inputs, module=module):
             captures[-1].out = inputs[0].detach()
 
-        handles.append(module.qkv.register_forward_hook(on_qkv))
+        if isinstance(module, LinearAttention):
+            handles.append(module.register_forward_pre_hook(on_input))
+        else:
+            handles.append(module.qkv.register_forward_hook(on_qkv))
         handles.append(module.proj.register_forward_pre_hook(on_proj))
     try:
         with torch.no_grad():
@@ -123,12 +128,9 @@ def _attention_only(capture: LayerCapture, dtype: torch.dtype) -> torch.Tensor:
         return softmax_attention_matrix(q, k, scale=module.scale)
     if capture.kind == "linear":
         return linear_attention_matrix(q, k, eps=module.eps)
-    layout = module._layout(module.token_grid(q.shape[-2]))
-    mixing = module.mixing().detach().to(dtype)
-    if layout.num_prefix_blocks:
-        mixing = F.pad(mixing, (0, layout.num_prefix_blocks, 0, layout.num_prefix_blocks), value=1.0)
-    return mhla_attention_matrix(q, k, mixing, layout.block_ids.to(q.device), normalizer=module.normalizer,
-                                 eps=module.eps)
+    layout = module.layout(module.token_grid(q.shape[-2]), q.device)
+    mixing = module.full_mixing(layout).detach().to(dtype)
+    return mhla_attention_matrix(q, k, mixing, layout.block_ids, normalizer=module.normalizer, eps=module.eps)
 
 
 def attention_map(capture: LayerCapture, query: int, grid: tuple[int, int]) -> torch.Tensor:

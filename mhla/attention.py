@@ -126,16 +126,26 @@ class LinearAttention(nn.Module):
                 f"set grid_size")
         return side, side
 
+    def features(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k and v of ``x`` ``[B, N, C]`` as the attention uses them, each ``[B, H, N, C / H]``.
+
+        q and k are feature-mapped: RMSNorm over all C channels (``qk_norm``), then ``ReLU(x) + eps``;
+        v is a view of the qkv projection's output.
+        """
+        q, k, v = self.qkv(x).chunk(3, dim=-1)  # [B, N, C] each
+        q = F.relu(_norm(self.q_norm, q)) + self.eps
+        k = F.relu(_norm(self.k_norm, k)) + self.eps
+        return self.split_heads(q), self.split_heads(k), self.split_heads(v)
+
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
         """``x`` ``[B, N, C]`` -> ``[B, N, C]``."""
         if attn_mask is not None or is_causal:
             raise ValueError(f"{type(self).__name__} supports neither attn_mask nor is_causal")
         grid = self.token_grid(x.shape[1])
-        q, k, v = self.qkv(x).chunk(3, dim=-1)  # [B, N, C] each
-        q = F.relu(_norm(self.q_norm, q)) + self.eps
-        k = F.relu(_norm(self.k_norm, k)) + self.eps
+        q, k, v = self.features(x)  # [B, H, N, D]
         out = self._attend(q, k, v, grid)  # [B, N, C]
         if self.lepe is not None:
+            v = v.transpose(1, 2).flatten(2)  # [B, N, C], a view
             lepe = self.lepe(v[:, self.num_prefix_tokens:], grid)  # [B, N - P, C]
             out = out + F.pad(lepe, (0, 0, self.num_prefix_tokens, 0))
         return self.proj_drop(self.proj(self.norm(out)))
@@ -145,8 +155,8 @@ class LinearAttention(nn.Module):
         return x.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-        out = linear_attention(self.split_heads(q), self.split_heads(k), self.split_heads(v), eps=self.eps)
-        return out.transpose(1, 2).flatten(2)  # [B, N, C]
+        """q, k, v ``[B, H, N, D]`` -> the attention output ``[B, N, C]``."""
+        return linear_attention(q, k, v, eps=self.eps).transpose(1, 2).flatten(2)
 
 
 class MultiHeadLinearAttention(LinearAttention):
@@ -208,25 +218,24 @@ class MultiHeadLinearAttention(LinearAttention):
             self.block_grid, transform, mixing_norm, mixing_sigma,
             learnable=learnable_mixing, constrain=constrain_mixing,
             device=kwargs.get("device"), dtype=kwargs.get("dtype"))
-        self._layouts: dict[tuple[int, int], BlockLayout] = {}
         if self.grid_size is not None:
-            self._layout(self.grid_size)
+            self.layout(self.grid_size)  # built (and checked) once, outside any torch.compile graph
 
-    def _layout(self, grid: tuple[int, int]) -> BlockLayout:
-        """The block layout of a token grid, built once per grid (outside any torch.compile graph)."""
-        layout = self._layouts.get(grid)
-        if layout is None:
-            layout = self._layouts[grid] = self._build_layout(grid)
-        return layout
-
-    @torch.compiler.disable
-    def _build_layout(self, grid: tuple[int, int]) -> BlockLayout:
-        layout = block_layout(grid, self.block_grid, self.block_mode, self.num_prefix_tokens)
+    def layout(self, grid: tuple[int, int], device: torch.device | None = None) -> BlockLayout:
+        """The block layout of a ``gh x gw`` token grid on ``device`` (``mhla.blocks.block_layout``, cached)."""
+        layout = block_layout(grid, self.block_grid, self.block_mode, self.num_prefix_tokens, device)
         if self.normalizer == "official" and not layout.evenly_divided:
             raise ValueError(
                 f"normalizer='official' needs a token grid divisible by the block grid, got {grid[0]}x{grid[1]} "
                 f"into {self.block_grid[0]}x{self.block_grid[1]}")
         return layout
+
+    def full_mixing(self, layout: BlockLayout) -> torch.Tensor:
+        """W ``[M + G, M + G]`` over the layout's patch and prefix blocks: ``[[W, 1], [1, 1]]`` (see the module doc)."""
+        mixing = self.mixing()
+        if layout.num_prefix_blocks:
+            mixing = F.pad(mixing, (0, layout.num_prefix_blocks, 0, layout.num_prefix_blocks), value=1.0)
+        return mixing
 
     def uses_parallel_form(self, layout: BlockLayout) -> bool:
         """Whether ``forward`` computes the N x N form for this layout (see ``form``)."""
@@ -241,16 +250,14 @@ class MultiHeadLinearAttention(LinearAttention):
         return parallel_macs <= PARALLEL_ADVANTAGE * block_macs
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-        layout = self._layout(grid)
-        mixing = self.mixing()
-        if layout.num_prefix_blocks:
-            mixing = F.pad(mixing, (0, layout.num_prefix_blocks, 0, layout.num_prefix_blocks), value=1.0)
+        """q, k, v ``[B, H, N, D]`` -> the attention output ``[B, N, C]``."""
+        layout = self.layout(grid, q.device)
+        mixing = self.full_mixing(layout)
         if self.uses_parallel_form(layout):
-            out = mhla_attention_parallel(self.split_heads(q), self.split_heads(k), self.split_heads(v), mixing,
-                                          layout.on(q.device).block_ids, eps=self.eps)  # [B, H, N, D]
+            out = mhla_attention_parallel(q, k, v, mixing, layout.block_ids, eps=self.eps)  # [B, H, N, D]
             return out.transpose(1, 2).flatten(2)  # [B, N, C]
-        q, k, v = (layout.to_blocks(self.split_heads(t)) for t in (q, k, v))  # [B, H, M + G, T, D]
-        key_mask = None if layout.evenly_divided else layout.on(q.device).mask[None]
+        q, k, v = (layout.to_blocks(t) for t in (q, k, v))  # [B, H, M + G, T, D]
+        key_mask = None if layout.evenly_divided else layout.mask[None]
         out = mhla_attention(q, k, v, mixing, key_mask=key_mask, normalizer=self.normalizer,
                              eps=self.eps)  # [B, H, M + G, T, D]
         return layout.from_blocks(out.permute(0, 2, 3, 1, 4), dim=1).flatten(2)  # [B, N, C]

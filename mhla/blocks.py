@@ -17,9 +17,9 @@ Two ways to cut a side of length ``g`` into ``b`` parts:
 Prefix tokens (class or register tokens placed before the patch tokens) go into extra blocks of
 their own, appended after the M patch blocks (see ``MultiHeadLinearAttention`` for how they mix).
 """
+import dataclasses
 import math
-from dataclasses import dataclass, field
-from functools import lru_cache
+from dataclasses import dataclass
 
 import torch
 
@@ -39,7 +39,7 @@ def split_sizes(length: int, parts: int, mode: str = "balanced") -> list[int]:
 
 @dataclass(frozen=True)
 class BlockLayout:
-    """Where each token sits in the block-major layout.
+    """Where each token sits in the block-major layout; its tensors live on one device.
 
     Attributes:
         grid_size: token grid ``(gh, gw)``.
@@ -66,19 +66,6 @@ class BlockLayout:
     mask: torch.Tensor
     block_ids: torch.Tensor
     evenly_divided: bool
-    _on_device: dict = field(default_factory=dict, repr=False, compare=False)
-
-    def on(self, device: torch.device) -> "BlockLayout":
-        """This layout with its tensors on ``device`` (copied once per device, then reused)."""
-        if self.index.device == device:
-            return self
-        if device not in self._on_device:
-            self._on_device[device] = BlockLayout(
-                self.grid_size, self.block_grid, self.num_prefix_tokens, self.num_blocks, self.num_prefix_blocks,
-                self.block_size, self.index.to(device), self.inverse.to(device), self.mask.to(device),
-                self.block_ids.to(device), self.evenly_divided)
-        return self._on_device[device]
-
     @property
     def num_tokens(self) -> int:
         return self.inverse.numel()
@@ -95,7 +82,7 @@ class BlockLayout:
             (gh, gw), (bh, bw) = self.grid_size, self.block_grid
             x = x.unflatten(dim, (bh, gh // bh, bw, gw // bw)).transpose(dim + 1, dim + 2)  # [.., bh, bw, th, tw, ..]
             return x.flatten(dim + 2, dim + 3).flatten(dim, dim + 1).contiguous()
-        x = x.index_select(dim, self.on(x.device).index)
+        x = x.index_select(dim, self.index)
         return x.unflatten(dim, (self.num_blocks + self.num_prefix_blocks, self.block_size))
 
     def from_blocks(self, x: torch.Tensor, dim: int = -3) -> torch.Tensor:
@@ -105,23 +92,42 @@ class BlockLayout:
             (gh, gw), (bh, bw) = self.grid_size, self.block_grid
             x = x.unflatten(dim + 1, (gh // bh, gw // bw)).unflatten(dim, (bh, bw)).transpose(dim + 1, dim + 2)
             return x.flatten(dim, dim + 3)
-        return x.flatten(dim, dim + 1).index_select(dim, self.on(x.device).inverse)
+        return x.flatten(dim, dim + 1).index_select(dim, self.inverse)
 
 
-@lru_cache(maxsize=64)
+_LAYOUTS: dict[tuple, BlockLayout] = {}  # the one cache of layouts, keyed by every argument of block_layout
+
+
 def block_layout(
         grid_size: tuple[int, int],
         block_grid: tuple[int, int],
         mode: str = "balanced",
         num_prefix_tokens: int = 0,
+        device: torch.device | str | None = None,
 ) -> BlockLayout:
-    """Build (and cache) the layout of a ``gh x gw`` token grid cut into ``bh x bw`` blocks.
+    """The layout of a ``gh x gw`` token grid cut into ``bh x bw`` blocks, its tensors on ``device`` (CPU).
 
-    The layout's tensors are built on the CPU, whatever the default device (``BlockLayout.on`` moves them).
+    Built once per set of arguments and cached; a cached layout is a dictionary lookup, which
+    ``torch.compile`` traces without a graph break (building one is kept out of the graph).
 
     Raises:
         ValueError: a block grid larger than the token grid, a non-positive size, an unknown mode.
     """
+    key = (tuple(grid_size), tuple(block_grid), mode, num_prefix_tokens, torch.device(device or "cpu"))
+    layout = _LAYOUTS.get(key)
+    if layout is None:
+        layout = _LAYOUTS[key] = _build(*key)
+    return layout
+
+
+@torch.compiler.disable
+def _build(grid_size: tuple[int, int], block_grid: tuple[int, int], mode: str, num_prefix_tokens: int,
+           device: torch.device) -> BlockLayout:
+    """A new layout: computed on the CPU, then (for another device) copied from the cached CPU one."""
+    if device.type != "cpu":
+        cpu = block_layout(grid_size, block_grid, mode, num_prefix_tokens)
+        return dataclasses.replace(cpu, index=cpu.index.to(device), inverse=cpu.inverse.to(device),
+                                   mask=cpu.mask.to(device), block_ids=cpu.block_ids.to(device))
     (gh, gw), (bh, bw) = tuple(grid_size), tuple(block_grid)
     if min(gh, gw) < 1 or min(bh, bw) < 1:
         raise ValueError(f"grid sizes must be positive, got grid_size={grid_size}, block_grid={block_grid}")

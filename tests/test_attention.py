@@ -13,10 +13,9 @@ from mhla.naive import mhla_attention_matrix, naive_linear_attention, naive_mhla
 
 
 def features(module, x):
-    """q, k (feature-mapped) and v of ``module`` for input x, split into heads ``[B, H, N, D]``."""
-    q, k, v = module.qkv(x).chunk(3, dim=-1)
-    q, k = F.relu(module.q_norm(q)) + module.eps, F.relu(module.k_norm(k)) + module.eps
-    return module.split_heads(q), module.split_heads(k), module.split_heads(v), v
+    """The module's q, k, v ``[B, H, N, D]`` for input x, and v in token order ``[B, N, C]``."""
+    q, k, v = module.features(x)
+    return q, k, v, v.transpose(1, 2).flatten(2)
 
 
 def finish(module, out_heads, v, grid):
@@ -37,8 +36,8 @@ def test_mhla_module_matches_naive(grid, block_grid, num_prefix_tokens, lepe_ker
                                       form=form).double()
     x = torch.randn(2, num_prefix_tokens + grid[0] * grid[1], 48, dtype=torch.float64)
     q, k, v_heads, v = features(module, x)
-    layout = module._layout(grid)
-    mixing = F.pad(module.mixing(), (0, layout.num_prefix_blocks) * 2, value=1.0)
+    layout = module.layout(grid)
+    mixing = module.full_mixing(layout)
     expected = finish(module, naive_mhla_attention(q, k, v_heads, mixing, layout.block_ids), v, grid)
     assert rel_rms(module(x), expected) < 1e-12
 
@@ -70,12 +69,12 @@ def test_forms_agree_in_outputs_and_gradients(num_prefix_tokens):
 ])
 def test_auto_form_picks_parallel_for_short_sequences_only(grid, head_dim, expected):
     module = MultiHeadLinearAttention(3 * head_dim, 3, grid_size=grid)
-    assert module.uses_parallel_form(module._layout(grid)) is expected
+    assert module.uses_parallel_form(module.layout(grid)) is expected
 
 
 def test_auto_form_keeps_the_official_normalizer_in_blocks():
     official = MultiHeadLinearAttention(96, 3, grid_size=(8, 8), normalizer="official")
-    assert not official.uses_parallel_form(official._layout((8, 8)))
+    assert not official.uses_parallel_form(official.layout((8, 8)))
 
 
 def test_prefix_tokens_read_every_token_and_every_query_reads_them():
@@ -83,8 +82,8 @@ def test_prefix_tokens_read_every_token_and_every_query_reads_them():
                                       lepe_kernel=0).double()
     x = torch.randn(1, 38, 24, dtype=torch.float64)
     q, k, v_heads, _ = features(module, x)
-    layout = module._layout((6, 6))
-    mixing = F.pad(module.mixing(), (0, layout.num_prefix_blocks) * 2, value=1.0)
+    layout = module.layout((6, 6))
+    mixing = module.full_mixing(layout)
     attn = mhla_attention_matrix(q, k, mixing, layout.block_ids)  # [B, H, N, N]
     # prefix queries: plain linear attention over all tokens
     expected = naive_linear_attention(q, k, v_heads)[:, :, :2]
@@ -224,7 +223,10 @@ def test_feature_eps_and_norm_eps_are_separate(eps, norm_eps):
     q, k, v = module.qkv(x).chunk(3, dim=-1)
     q = F.relu(F.rms_norm(q, (48,), module.q_norm.weight, eps=norm_eps)) + eps  # the documented formula
     k = F.relu(F.rms_norm(k, (48,), module.k_norm.weight, eps=norm_eps)) + eps
-    out = naive_linear_attention(*(module.split_heads(t) for t in (q, k, v)), eps=eps)
+    q, k, v = (module.split_heads(t) for t in (q, k, v))
+    for actual, wanted in zip(module.features(x), (q, k, v), strict=True):
+        torch.testing.assert_close(actual, wanted, rtol=0, atol=0)
+    out = naive_linear_attention(q, k, v, eps=eps)
     expected = module.proj(out.transpose(1, 2).flatten(2))
     torch.testing.assert_close(module(x), expected, rtol=1e-12, atol=1e-12)
     assert LinearAttention(48, 3, qk_norm=True, eps=0.1).q_norm.eps == 1e-6  # an eps ablation keeps the norm

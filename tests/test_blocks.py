@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from mhla import MultiHeadLinearAttention
 from mhla.blocks import block_layout, split_sizes
 
 
@@ -81,3 +82,12 @@ def test_regular_layouts_reshape_to_the_same_order_as_the_gather(grid, block_gri
     blocks = layout.to_blocks(x)
     assert torch.equal(blocks, gathered)
     assert torch.equal(layout.from_blocks(blocks.permute(0, 2, 3, 1, 4), dim=1), x.transpose(1, 2))
+
+
+def test_one_cache_of_layouts_per_arguments_and_device():
+    cpu = block_layout((6, 6), (2, 2))
+    assert block_layout([6, 6], [2, 2], "balanced", 0, "cpu") is cpu
+    meta = block_layout((6, 6), (2, 2), device=torch.device("meta"))
+    assert meta is not cpu and block_layout((6, 6), (2, 2), device="meta") is meta
+    assert meta.index.device.type == "meta" and meta.block_ids.shape == cpu.block_ids.shape
+    assert MultiHeadLinearAttention(24, 2, grid_size=(6, 6), block_grid=(2, 2)).layout((6, 6)) is cpu
