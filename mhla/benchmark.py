@@ -1,21 +1,27 @@
-"""Timing and peak-memory helpers shared by the benchmark scripts.
+"""Timing, peak-memory and plotting helpers shared by the benchmark scripts.
 
 Times are medians of ``torch.utils.benchmark.Timer.blocked_autorange`` (which synchronises CUDA).
 Peak memory is the largest amount of memory a call needs beyond what was in use before it:
 ``torch.cuda.max_memory_allocated`` on CUDA; on the CPU, the growth of the resident set during the
 call (Linux: the peak counter is reset just before it), measured after ``return_freed_memory()`` so
-that resident memory follows the live tensors.
+that resident memory follows the live tensors; ``peak_memory_in_worker`` takes each figure in a
+fresh process, so that no measurement inherits another's memory.
 """
 import ctypes
 import ctypes.util
 import resource
+import statistics
+import subprocess
 import sys
-from collections.abc import Callable
+import timeit
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-__all__ = ["Timing", "keep_freed_memory", "peak_memory", "return_freed_memory", "time_call"]
+__all__ = ["Timing", "keep_freed_memory", "peak_memory", "peak_memory_in_worker", "plot_log_log",
+           "release_freed_memory", "return_freed_memory", "time_call", "time_interleaved"]
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
@@ -27,13 +33,71 @@ class Timing:
     runs: int
 
 
-def time_call(fn: Callable[[], object], min_run_time: float = 1.0) -> Timing:
-    """Median and interquartile range of ``fn()`` over at least ``min_run_time`` seconds, on all torch threads."""
+def time_call(fn: Callable[[], object], min_run_time: float = 1.0,
+              clock: Callable[[], float] = timeit.default_timer) -> Timing:
+    """Median and interquartile range of ``fn()`` over at least ``min_run_time`` seconds, on all torch threads.
+
+    ``clock`` reads the time in seconds (the tests give a clock that only ``fn`` advances).
+    """
     from torch.utils.benchmark import Timer  # imported here: it loads torch.utils.cpp_extension, which warns
 
-    timer = Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    timer = Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads(), timer=clock)
     measurement = timer.blocked_autorange(min_run_time=min_run_time)
     return Timing(measurement.median * 1e3, measurement.iqr * 1e3, len(measurement.times))
+
+
+def time_interleaved(calls: dict[Hashable, Callable[[], object]], min_run_time: float, rounds: int,
+                     clock: Callable[[], float] = timeit.default_timer) -> dict[Hashable, tuple[float, float]]:
+    """Median time (ms) and spread (max - min over the rounds, % of the median) of every call.
+
+    The calls are timed in interleaved rounds, so that a slow spell of a noisy machine hits them
+    alike; each round takes ``min_run_time / rounds`` seconds per call and gives a median, and the
+    result is the median of the rounds. Each call runs once first (warm-up), and the memory freed
+    by a call is handed back before the next (``release_freed_memory``), so that no call inherits
+    another's fragments.
+    """
+    for call in calls.values():
+        call()
+        release_freed_memory()
+    times: dict[Hashable, list[float]] = {key: [] for key in calls}
+    for _ in range(rounds):
+        for key, call in calls.items():
+            times[key].append(time_call(call, min_run_time / rounds, clock).median_ms)
+            release_freed_memory()
+    return {key: (statistics.median(values), 100 * (max(values) - min(values)) / statistics.median(values))
+            for key, values in times.items()}
+
+
+def peak_memory_in_worker(cmd: list[str], what: str) -> float:
+    """Run ``cmd``, a fresh process that prints its peak memory (MiB) on its last line, and return it.
+
+    Raises ``RuntimeError`` naming ``what`` with the end of the worker's stderr when it fails.
+    """
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed:\n{proc.stderr[-2000:]}")
+    return float(proc.stdout.strip().splitlines()[-1])
+
+
+def plot_log_log(rows: list[dict], *, x: str, y: str, series: str, panel: str, panels: dict[str, str], path: Path,
+                 xlabel: str, ylabel: str, sharey: bool = False) -> None:
+    """One log-log panel per value of ``rows[i][panel]`` (``panels``: value -> title), one line per series."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), sharey=sharey, squeeze=False)
+    for ax, (value, title) in zip(axes[0], panels.items(), strict=True):
+        for name in dict.fromkeys(r[series] for r in rows):
+            points = sorted((r[x], r[y]) for r in rows if r[series] == name and r[panel] == value)
+            ax.plot(*zip(*points, strict=True), marker="o", label=name)
+        ax.set(xscale="log", yscale="log", xlabel=xlabel, title=title)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0, 0].set_ylabel(ylabel)
+    axes[0, 0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _proc_status_bytes(field: str) -> int | None:

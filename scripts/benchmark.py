@@ -14,8 +14,6 @@ import argparse
 import contextlib
 import csv
 import json
-import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,9 +24,10 @@ import models  # noqa: F401  (registers the models)
 from mhla.benchmark import (
     keep_freed_memory,
     peak_memory,
-    release_freed_memory,
+    peak_memory_in_worker,
+    plot_log_log,
     return_freed_memory,
-    time_call,
+    time_interleaved,
 )
 from mhla.flops import count_macs
 
@@ -111,28 +110,13 @@ def measure_memory(args, name: str, size: int, mode: str) -> float:
            "--batch-size", str(args.batch_size), "--dtype", args.dtype, "--device", args.device]
     if args.compile:
         cmd.append("--compile")
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{name} {size}px {mode} failed:\n{proc.stderr[-2000:]}")
-    return float(proc.stdout.strip().splitlines()[-1])
+    return peak_memory_in_worker(cmd, f"{name} {size}px {mode}")
 
 
 def measure_times(args, size: int) -> dict:
-    """Median time (ms) and spread (max - min over rounds, % of the median) per (model, mode) at ``size``.
-
-    The models are timed in interleaved rounds so that a slow spell of the machine hits them alike.
-    """
+    """Median time (ms) and spread (%) per (model, mode) at ``size``, all timed in interleaved rounds."""
     calls = {(name, mode): build_call(name, size, mode, args) for name in args.models for mode in MODES}
-    for call in calls.values():
-        call()
-        release_freed_memory()
-    times = {key: [] for key in calls}
-    for _ in range(args.rounds):
-        for key, call in calls.items():
-            times[key].append(time_call(call, args.min_run_time / args.rounds).median_ms)
-            release_freed_memory()
-    return {key: (statistics.median(values), 100 * (max(values) - min(values)) / statistics.median(values))
-            for key, values in times.items()}
+    return time_interleaved(calls, args.min_run_time, args.rounds)
 
 
 def ratios(rows: list[dict]) -> list[dict]:
@@ -168,25 +152,6 @@ def ratios(rows: list[dict]) -> list[dict]:
             add(f"deit_tiny_mhla / {TIMM_DEIT} throughput", size, "inference",
                 m["img_per_s"] / timm_deit["img_per_s"], 0.9 if size == 224 else None, ">=")
     return out
-
-
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, mode in zip(axes, MODES, strict=True):
-        for name in dict.fromkeys(r["model"] for r in rows):
-            points = sorted((r["img_size"], r["img_per_s"]) for r in rows if r["model"] == name and r["mode"] == mode)
-            sizes, throughput = zip(*points, strict=True)
-            ax.plot(sizes, throughput, marker="o", label=name)
-        ax.set(xscale="log", yscale="log", xlabel="image size (px)", ylabel="images / s", title=mode)
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def main(argv=None) -> int:
@@ -236,7 +201,9 @@ def main(argv=None) -> int:
     report = "\n".join(lines) + "\n"
     (args.out_dir / "benchmark.md").write_text(report)
     if not args.no_plot:
-        plot(rows, args.out_dir / "throughput.png")
+        plot_log_log(rows, x="img_size", y="img_per_s", series="model", panel="mode",
+                     panels={mode: mode for mode in MODES}, path=args.out_dir / "throughput.png",
+                     xlabel="image size (px)", ylabel="images / s")
     print(report)
     return 0
 

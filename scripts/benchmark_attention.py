@@ -18,8 +18,6 @@ peak memory at N = 16384 <= 20x its N = 1024 figure).
 import argparse
 import csv
 import math
-import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,7 +25,14 @@ import torch
 import torch.nn.functional as F
 
 from mhla import block_layout, linear_attention, mhla_attention
-from mhla.benchmark import keep_freed_memory, peak_memory, return_freed_memory, time_call
+from mhla.benchmark import (
+    keep_freed_memory,
+    peak_memory,
+    peak_memory_in_worker,
+    plot_log_log,
+    return_freed_memory,
+    time_interleaved,
+)
 
 METHODS = ("sdpa", "linear", "mhla", "mhla_tokens")
 MODES = ("forward", "train")
@@ -135,30 +140,13 @@ def measure_memory(args, method: str, n: int, mode: str) -> float:
            "--device", args.device, "--dtype", args.dtype]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{method} N={n} {mode} failed:\n{proc.stderr[-2000:]}")
-    return float(proc.stdout.strip().splitlines()[-1])
+    return peak_memory_in_worker(cmd, f"{method} N={n} {mode}")
 
 
 def measure_times(args, n: int) -> dict:
-    """Median time (ms) and spread of every (method, mode) at N, timed in interleaved rounds.
-
-    Interleaving puts every method under the same drift of a noisy machine; each round gives a
-    median over ``min_run_time / rounds`` seconds, and the result is the median of the rounds.
-    """
+    """Median time (ms) and spread (%) of every (method, mode) at N, all timed in interleaved rounds."""
     calls = {(m, mode): build_call(m, n, mode, args) for m in args.methods for mode in MODES}
-    for call in calls.values():
-        call()
-    rounds = {key: [] for key in calls}
-    for _ in range(args.rounds):
-        for key, call in calls.items():
-            rounds[key].append(time_call(call, args.min_run_time / args.rounds).median_ms)
-    result = {}
-    for key, times in rounds.items():
-        median = statistics.median(times)
-        result[key] = (median, (max(times) - min(times)) / median)
-    return result
+    return time_interleaved(calls, args.min_run_time, args.rounds)
 
 
 def markdown_table(rows: list[dict], methods: list[str], sizes: list[int]) -> str:
@@ -199,27 +187,6 @@ def targets(rows: list[dict]) -> list[tuple[str, float, str, bool]]:
     return result
 
 
-def plot(rows: list[dict], methods: list[str], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    for ax, mode in zip(axes, MODES, strict=True):
-        for method in methods:
-            points = sorted((r["n"], r["time_ms"]) for r in rows if r["method"] == method and r["mode"] == mode)
-            sizes, times = zip(*points, strict=True)
-            ax.plot(sizes, times, marker="o", label=method)
-        title = "forward" if mode == "forward" else "forward + backward"
-        ax.set(xscale="log", yscale="log", xlabel="tokens N", title=title)
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0].set_ylabel("time (ms)")
-    axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.worker:
@@ -234,8 +201,8 @@ def main(argv=None) -> None:
             for mode in MODES:
                 peak = measure_memory(args, method, n, mode)
                 time_ms, spread = times[(method, mode)]
-                rows.append(dict(method=method, n=n, mode=mode, time_ms=time_ms, spread=spread, peak_mib=peak))
-                print(f"{method:>11} N={n:<6} {mode:<7} {time_ms:10.2f} ms (spread {spread:4.0%}) {peak:9.1f} MiB",
+                rows.append(dict(method=method, n=n, mode=mode, time_ms=time_ms, spread_pct=spread, peak_mib=peak))
+                print(f"{method:>11} N={n:<6} {mode:<7} {time_ms:10.2f} ms (spread {spread:3.0f}%) {peak:9.1f} MiB",
                       file=sys.stderr)
     with open(args.out_dir / "attention_benchmark.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -250,7 +217,9 @@ def main(argv=None) -> None:
     report = f"{setting}\n\n{table}\n\n" + "\n".join(goals) + "\n"
     (args.out_dir / "attention_benchmark.md").write_text(report)
     if not args.no_plot:
-        plot(rows, args.methods, args.out_dir / "attention_benchmark.png")
+        plot_log_log(rows, x="n", y="time_ms", series="method", panel="mode",
+                     panels={"forward": "forward", "train": "forward + backward"},
+                     path=args.out_dir / "attention_benchmark.png", xlabel="tokens N", ylabel="time (ms)", sharey=True)
     print(report)
 
 

@@ -1,11 +1,10 @@
 """mhla.benchmark: timing and peak-memory measurement."""
 import subprocess
 import sys
-import time
 
 import pytest
 
-from mhla.benchmark import time_call
+from mhla.benchmark import time_call, time_interleaved
 
 PEAK_SCRIPT = """
 import torch
@@ -21,10 +20,42 @@ print(peak_memory(fn, torch.device("cpu")) / 2**20)
 """
 
 
-def test_time_call_measures_a_known_duration():
-    timing = time_call(lambda: time.sleep(0.01), min_run_time=0.2)
-    assert timing.runs >= 2
-    assert 9.5 <= timing.median_ms <= 40
+class FakeClock:
+    """Seconds that pass only when a timed function says so: timings that no machine load can change."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def spend(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_time_call_measures_the_time_the_call_takes():
+    clock = FakeClock()
+    timing = time_call(lambda: clock.spend(0.010), min_run_time=0.2, clock=clock)
+    assert timing.runs >= 2 and timing.median_ms == pytest.approx(10.0) and timing.iqr_ms == pytest.approx(0.0)
+
+
+def test_interleaved_rounds_give_the_median_and_the_spread():
+    clock, state = FakeClock(), {"last": None, "round": -1}
+    round_costs = [0.001, 0.010, 0.020, 0.030]  # "a": the warm-up, then rounds 1 to 3
+
+    def a():
+        if state["last"] != "a":  # the calls interleave: a, b, a, b, ...
+            state["round"] += 1
+        state["last"] = "a"
+        clock.spend(round_costs[state["round"]])
+
+    def b():
+        state["last"] = "b"
+        clock.spend(0.005)
+
+    result = time_interleaved({"a": a, "b": b}, min_run_time=0.3, rounds=3, clock=clock)
+    assert result["a"] == pytest.approx((20.0, 100.0))  # median of 10, 20, 30 ms; spread (30 - 10) / 20
+    assert result["b"] == pytest.approx((5.0, 0.0))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="resident-memory peak needs Linux")
