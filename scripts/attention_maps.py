@@ -19,8 +19,9 @@ from timm.data import resolve_data_config
 import models  # noqa: F401  (registers the models)
 from mhla.analysis import attention_map, capture_attention
 from mhla.training.checkpoint import CheckpointError
+from mhla.training.config import ConfigError
 from mhla.training.data import SKIMAGE_PHOTOS, SkimagePhotos, eval_transform
-from mhla.training.evaluation import WeightsError, load_model_spec
+from mhla.training.evaluation import WeightsError, load_model_specs
 
 
 def load_image(name: str) -> Image.Image:
@@ -44,13 +45,13 @@ def main(argv=None) -> int:
     import matplotlib.pyplot as plt
 
     image = load_image(args.image)
+    try:
+        loaded = load_model_specs(args.model, args.img_size)
+    except (WeightsError, CheckpointError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     rows = []
-    for spec in args.model:
-        try:
-            model = load_model_spec(spec, args.img_size)
-        except (WeightsError, CheckpointError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+    for spec, model in loaded.items():
         x = eval_transform(args.img_size, resolve_data_config({}, model=model))(image)[None]
         grid = tuple(model.patch_embed.grid_size)
         row, col = args.query or (grid[0] // 2, grid[1] // 2)

@@ -29,8 +29,9 @@ from tqdm import tqdm
 import models  # noqa: F401  (registers the models)
 from mhla.analysis import attention_matrix, capture_attention, matrix_rank, row_entropy
 from mhla.training.checkpoint import CheckpointError
+from mhla.training.config import ConfigError
 from mhla.training.data import AugmentedDataset, MNIST5k, SkimagePhotos, collate_skipping, eval_transform, image_folder
-from mhla.training.evaluation import WeightsError, load_model_spec
+from mhla.training.evaluation import WeightsError, load_model_specs
 
 PAPER = {"linear": (58.4, 5.12), "softmax": (254.8, 4.13), "mhla": (233.4, 4.06)}  # DeiT-T, 256 tokens
 
@@ -145,13 +146,13 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=Path("outputs/attention_stats"))
     args = parser.parse_args(argv)
     base = images_for(args)
+    try:
+        loaded = load_model_specs(args.model, args.img_size)
+    except (WeightsError, CheckpointError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     results = {}
-    for spec in args.model:
-        try:
-            model = load_model_spec(spec, args.img_size)
-        except (WeightsError, CheckpointError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+    for spec, model in loaded.items():
         transform = eval_transform(args.img_size, resolve_data_config({}, model=model))
         data = Subset(AugmentedDataset(base, transform), range(min(args.num_images, len(base))))
         loader = DataLoader(data, batch_size=args.batch_size, collate_fn=collate_skipping)

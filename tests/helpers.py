@@ -1,13 +1,36 @@
-"""Small real datasets and configs for the training tests."""
+"""Helpers for the tests: the repository root, scripts as modules, small real datasets and configs, tolerances."""
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
+import torch
 import yaml
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(name: str) -> ModuleType:
+    """``scripts/<name>.py`` imported as a module (its ``main`` is not run)."""
+    spec = importlib.util.spec_from_file_location(f"scripts_{name}", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def rel_rms(actual: torch.Tensor, expected: torch.Tensor, floor: float = 1e-6) -> float:
+    """Relative error, fla-style: ``||a - e|| / max(||e||, floor)`` in float64.
+
+    The floor keeps quantities that are zero in exact arithmetic (the gradient of W when M = 1,
+    which scales numerator and denominator alike) from turning rounding into a large ratio.
+    """
+    actual, expected = actual.double(), expected.double()
+    return ((actual - expected).norm() / expected.norm().clamp_min(floor)).item()
+
+
 
 
 def make_image_folder(root: Path, classes: int = 3, train_per_class: int = 8, val_per_class: int = 4,

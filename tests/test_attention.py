@@ -5,7 +5,7 @@ import pytest
 import timm
 import torch
 import torch.nn.functional as F
-from conftest import rel_rms
+from helpers import rel_rms
 from timm.models.vision_transformer import Block, VisionTransformer
 
 from mhla import LinearAttention, MultiHeadLinearAttention

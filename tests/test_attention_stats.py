@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 import numpy as np
-from helpers import ROOT
+from helpers import ROOT, load_script, make_image_folder, run_train, tiny_config
 from PIL import Image
 
 
@@ -52,8 +52,6 @@ def test_attention_maps_png(tmp_path):
 
 
 def test_config_as_model_source_with_its_checkpoint_and_lepe(tmp_path):
-    from helpers import make_image_folder, run_train, tiny_config
-
     config = tiny_config(tmp_path, make_image_folder(tmp_path / "data"), epochs=1)
     assert run_train("--config", str(config)).returncode == 0
     checkpoint = tmp_path / "output" / "config" / "last.pth"
@@ -65,3 +63,12 @@ def test_config_as_model_source_with_its_checkpoint_and_lepe(tmp_path):
                    for n in ("plain", "lepe"))
     assert plain["num_tokens"] == 16 and plain["head_dim"] == 12 and lepe["include_lepe"]
     assert plain["entropy_mean"] != lepe["entropy_mean"]
+
+
+def test_a_bad_model_spec_fails_before_any_model_runs(tmp_path, capsys):
+    stats = load_script("attention_stats")
+    out = tmp_path / "out"
+    assert stats.main(["--model", "deit_tiny_linear", "--model", "deit_tiny_nope", "--img-size", "32",
+                       "--num-images", "1", "--out", str(out)]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert errors == ["error: --model: unknown model 'deit_tiny_nope'"] and not out.exists()

@@ -2,14 +2,11 @@
 import csv
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from helpers import ROOT, load_script
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import benchmark_attention  # noqa: E402
+benchmark_attention = load_script("benchmark_attention")
 
 
 def test_smoke_run_writes_table_csv_and_plot(tmp_path):

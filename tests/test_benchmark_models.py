@@ -1,21 +1,13 @@
 """scripts/benchmark.py: a smoke run on tiny settings and its argument checks."""
 import csv
-import importlib.util
 import json
 import subprocess
 import sys
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, load_script
 
 SCRIPT = ROOT / "scripts" / "benchmark.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("benchmark_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_smoke_run_writes_every_output(tmp_path):
@@ -53,7 +45,7 @@ def test_ratios_and_targets():
             row("deit_tiny_mhla", 1024, "train", 10.0, peak_mib=300.0),
             row("deit_tiny_softmax", 1024, "train", 50.0, peak_mib=1000.0),
             row("deit_tiny_linear", 1024, "train", 9.0)]
-    found = {(r["ratio"], r["img_size"], r["mode"]): r for r in load_script().ratios(rows)}
+    found = {(r["ratio"], r["img_size"], r["mode"]): r for r in load_script("benchmark").ratios(rows)}
     assert len(found) == 4
     timm_deit = found[("deit_tiny_mhla / deit_tiny_patch16_224 throughput", 224, "inference")]
     assert timm_deit["value"] == pytest.approx(0.8) and timm_deit["target"] == ">= 0.9" and timm_deit["met"] is False

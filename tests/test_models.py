@@ -4,19 +4,18 @@ import re
 import subprocess
 import sys
 from copy import deepcopy
-from pathlib import Path
 
 import pytest
 import timm
 import torch
 import torch.nn.functional as F
+from helpers import ROOT
 from timm.optim import create_optimizer_v2
 
 import models
 from mhla import LinearAttention, MultiHeadLinearAttention
 from mhla.mixing import mixing_init
 
-ROOT = Path(__file__).resolve().parents[1]
 MODELS = timm.list_models("deit_*_mhla") + timm.list_models("deit_*_linear") + timm.list_models("deit_*_softmax")
 TINY = ["deit_tiny_mhla", "deit_tiny_linear", "deit_tiny_softmax"]
 

@@ -1,7 +1,7 @@
 """The fast ops against the naive N x N references, across awkward shapes, dtypes and gradients."""
 import pytest
 import torch
-from conftest import rel_rms
+from helpers import rel_rms
 
 from mhla import block_layout, linear_attention, mhla_attention, mhla_attention_parallel
 from mhla.naive import mhla_attention_matrix, naive_linear_attention, naive_mhla_attention

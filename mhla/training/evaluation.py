@@ -10,7 +10,8 @@ from .checkpoint import load_checkpoint
 from .distributed import DistInfo
 from .engine import evaluate
 
-__all__ = ["ModelSpec", "WeightsError", "load_model_spec", "load_weights", "measure", "resolve_model"]
+__all__ = ["ModelSpec", "WeightsError", "load_model_spec", "load_model_specs", "load_weights", "measure",
+           "resolve_model"]
 
 
 class WeightsError(ValueError):
@@ -150,6 +151,11 @@ def load_model_spec(spec: str, img_size: int) -> torch.nn.Module:
     if checkpoint is not None:
         load_weights(model, path, checkpoint=checkpoint)
     return model.eval()
+
+
+def load_model_specs(specs: list[str], img_size: int) -> dict[str, torch.nn.Module]:
+    """``load_model_spec`` of every spec, all loaded before any is used, so a bad one fails first."""
+    return {spec: load_model_spec(spec, img_size) for spec in specs}
 
 
 def measure(model: torch.nn.Module, loader, info: DistInfo, img_size: int, autocast) -> dict:
