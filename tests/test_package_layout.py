@@ -39,3 +39,16 @@ def test_importing_the_library_stays_light():
                            timeout=120, check=True).stdout.split()
     assert "mhla.attention" in added
     assert not [name for name in added if name.startswith(HEAVY)]
+
+
+def test_the_package_declares_what_the_requirements_files_install():
+    """``pip install -e .`` alone gives a working package: pyproject lists the requirements files' pins."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+    def pins(name):
+        return [line.strip() for line in (ROOT / name).read_text().splitlines() if line.strip()]
+
+    assert project["dependencies"] == pins("requirements.txt")
+    assert project["optional-dependencies"]["dev"] == pins("requirements-dev.txt")

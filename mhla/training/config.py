@@ -8,15 +8,16 @@ one-line message names the key and the file.
 """
 import copy
 import difflib
-import os
 import re
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-__all__ = ["DATASETS", "DEFAULTS", "ConfigError", "check_resources", "load_config", "parse_overrides", "validate",
-           "where_set"]
+from .distributed import world_size
+
+__all__ = ["DATASETS", "DEFAULTS", "ConfigError", "check_resources", "load_config", "micro_batch_size",
+           "parse_overrides", "validate", "where_set"]
 
 DATASETS = ("imagenet", "imagefolder", "cifar10", "cifar100", "mnist5k")
 
@@ -238,11 +239,11 @@ def check_resources(config: dict) -> None:
         suggestion = f"; did you mean {hint[0]!r}?" if hint else ""
         raise ConfigError(f"model.name: unknown model {name!r}{where_set('model.name', sources)}{suggestion}")
     data = config["data"]
-    world, accum = int(os.environ.get("WORLD_SIZE", "1")), config["optim"]["accum_steps"]
+    world, accum = world_size(), config["optim"]["accum_steps"]
     if data["batch_size"] % (world * accum):
         raise ConfigError(f"data.batch_size: {data['batch_size']} is not divisible by {world} process(es) x "
                           f"{accum} accumulation step(s){where_set('data.batch_size', sources)}")
-    per_process = data["batch_size"] // (world * accum)
+    per_process = micro_batch_size(config, world)
     if (config["aug"]["mixup"] > 0 or config["aug"]["cutmix"] > 0) and per_process % 2:
         raise ConfigError(f"data.batch_size: the per-process batch ({per_process}) must be even with mixup/cutmix"
                           f"{where_set('data.batch_size', sources)}")
@@ -255,6 +256,11 @@ def check_resources(config: dict) -> None:
     elif data["dataset"] in ("cifar10", "cifar100") and not data["download"] and not root.is_dir():
         raise ConfigError(f"data.root: {root} does not exist; set data.download: true to fetch "
                           f"{data['dataset']}{where_set('data.root', sources)}")
+
+
+def micro_batch_size(config: dict, world: int) -> int:
+    """Samples per process and forward pass: the global ``data.batch_size`` over processes and accumulation steps."""
+    return config["data"]["batch_size"] // (world * config["optim"]["accum_steps"])
 
 
 def _walk(config: dict, defaults: dict, sources: dict, prefix: str = "") -> None:

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistInfo", "all_reduce_sum", "init_distributed"]
+__all__ = ["DistInfo", "all_reduce_sum", "init_distributed", "world_size"]
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,11 @@ class DistInfo:
         return self.world_size > 1
 
 
+def world_size() -> int:
+    """Processes in this run, as torchrun's environment says (1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def init_distributed(device: str = "auto") -> DistInfo:
     """Join the process group torchrun describes (NCCL on GPU, gloo on CPU); a single process otherwise.
 
@@ -33,14 +38,14 @@ def init_distributed(device: str = "auto") -> DistInfo:
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
     if use_cuda and not torch.cuda.is_available():
         raise RuntimeError("device: cuda was asked for but no CUDA device is available")
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_size()
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     target = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(target)
-    if world_size > 1 and not dist.is_initialized():
+    if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if use_cuda else "gloo")
-    return DistInfo(rank, world_size, local_rank, target)
+    return DistInfo(rank, world, local_rank, target)
 
 
 def all_reduce_sum(values: list[float], info: DistInfo) -> list[float]:

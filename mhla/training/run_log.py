@@ -1,12 +1,13 @@
 """What a run writes besides checkpoints: resolved config, run info, per-epoch metrics, wandb."""
 import csv
 import json
-import os
 import platform
 import subprocess
 from pathlib import Path
 
 import yaml
+
+from .distributed import world_size
 
 __all__ = ["MetricsLog", "start_wandb", "write_run_info"]
 
@@ -38,7 +39,7 @@ def write_run_info(run_dir: Path, config: dict, argv: list[str]) -> None:
         "command": argv,
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "timm": timm.__version__,
                      "torchvision": torchvision.__version__, "numpy": numpy.__version__},
-        "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+        "world_size": world_size(),
     }
     (run_dir / "run_info.json").write_text(json.dumps(info, indent=2) + "\n")
 

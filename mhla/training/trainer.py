@@ -22,12 +22,12 @@ from timm.data import Mixup, resolve_data_config
 from timm.loss import SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
-from timm.utils import ModelEmaV3
+from timm.utils import ModelEmaV3, unwrap_model
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Subset
 
 from .checkpoint import get_rng_state, load_checkpoint, save_atomic, set_rng_state
-from .config import ConfigError, where_set
+from .config import ConfigError, micro_batch_size, where_set
 from .data import EpochSampler, build_datasets, collate_skipping, shard_indices
 from .distributed import DistInfo, init_distributed
 from .engine import TrainState, evaluate, train_one_epoch
@@ -115,14 +115,11 @@ def check_buildable(config: dict) -> None:
 
 
 def _seed(seed: int) -> None:
+    """Seed Python, NumPy and torch. Not ``timm.utils.random_seed``: resume reseeds with numbers past
+    2**32 (seed + 1,000,003 x step + rank), which NumPy refuses; here NumPy takes them modulo 2**32."""
     random.seed(seed)
     np.random.seed(seed % 2 ** 32)
     torch.manual_seed(seed)
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    model = getattr(model, "_orig_mod", model)
-    return model.module if isinstance(model, DistributedDataParallel) else model
 
 
 def _gather_rng(info: DistInfo) -> list:
@@ -146,7 +143,7 @@ class _Run:
         train_set, val_set, num_classes = build_datasets(data, aug, data_cfg, config["seed"])
         self.train_set = train_set
         world, accum = info.world_size, optim["accum_steps"]
-        batch = data["batch_size"] // (world * accum)
+        batch = micro_batch_size(config, world)
         val_batch = max(1, (data["val_batch_size"] or data["batch_size"]) // world)
         self.sampler = EpochSampler(len(train_set), batch, world, info.rank, config["seed"])
         loader_args = dict(num_workers=data["workers"], collate_fn=collate_skipping,
@@ -186,7 +183,7 @@ class _Run:
 
     def state_dict(self, rng: list) -> dict:
         return {
-            "model": _unwrap(self.model).state_dict(),
+            "model": unwrap_model(self.model).state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
@@ -198,7 +195,7 @@ class _Run:
         }
 
     def load_state_dict(self, checkpoint: dict) -> None:
-        _unwrap(self.model).load_state_dict(checkpoint["model"])
+        unwrap_model(self.model).load_state_dict(checkpoint["model"])
         self.optimizer.load_state_dict(checkpoint["optimizer"])
         self.scheduler.load_state_dict(checkpoint["scheduler"])
         if self.scaler is not None and checkpoint["scaler"] is not None:
