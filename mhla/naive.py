@@ -17,16 +17,9 @@ __all__ = [
 ]
 
 
-def mhla_attention_matrix(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        mixing: torch.Tensor,
-        block_ids: torch.Tensor,
-        *,
-        key_mask: torch.Tensor | None = None,
-        normalizer: str = "paper",
-        eps: float = 1e-6,
-) -> torch.Tensor:
+def mhla_attention_matrix(q: torch.Tensor, k: torch.Tensor, mixing: torch.Tensor, block_ids: torch.Tensor, *,
+                          key_mask: torch.Tensor | None = None, normalizer: str = "paper",
+                          eps: float = 1e-6) -> torch.Tensor:
     """MHLA attention matrix.
 
     Args:

@@ -21,14 +21,7 @@ import timm
 import torch
 
 import models  # noqa: F401  (registers the models)
-from mhla.benchmark import (
-    keep_freed_memory,
-    peak_memory,
-    peak_memory_in_worker,
-    plot_log_log,
-    return_freed_memory,
-    time_interleaved,
-)
+from mhla import benchmark as bench
 from mhla.flops import count_macs
 
 DEFAULT_MODELS = ["deit_tiny_patch16_224", "deit_tiny_softmax", "deit_tiny_linear", "deit_tiny_mhla",
@@ -99,10 +92,10 @@ def build_call(name: str, img_size: int, mode: str, args):
 def memory_worker(args) -> float:
     """Peak memory (MiB) of one call in this fresh process, after one warm-up call."""
     name, size, mode = args.worker[0], int(args.worker[1]), args.worker[2]
-    return_freed_memory()
+    bench.return_freed_memory()
     call = build_call(name, size, mode, args)
     call()
-    return peak_memory(call, torch.device(args.device)) / 2 ** 20
+    return bench.peak_memory(call, torch.device(args.device)) / 2 ** 20
 
 
 def measure_memory(args, name: str, size: int, mode: str) -> float:
@@ -110,13 +103,13 @@ def measure_memory(args, name: str, size: int, mode: str) -> float:
            "--batch-size", str(args.batch_size), "--dtype", args.dtype, "--device", args.device]
     if args.compile:
         cmd.append("--compile")
-    return peak_memory_in_worker(cmd, f"{name} {size}px {mode}")
+    return bench.peak_memory_in_worker(cmd, f"{name} {size}px {mode}")
 
 
 def measure_times(args, size: int) -> dict:
     """Median time (ms) and spread (%) per (model, mode) at ``size``, all timed in interleaved rounds."""
     calls = {(name, mode): build_call(name, size, mode, args) for name in args.models for mode in MODES}
-    return time_interleaved(calls, args.min_run_time, args.rounds)
+    return bench.time_interleaved(calls, args.min_run_time, args.rounds)
 
 
 def ratios(rows: list[dict]) -> list[dict]:
@@ -159,7 +152,7 @@ def main(argv=None) -> int:
     if args.worker:
         print(memory_worker(args))
         return 0
-    keep_freed_memory()
+    bench.keep_freed_memory()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     rows = []
     for size in args.img_sizes:
@@ -201,9 +194,9 @@ def main(argv=None) -> int:
     report = "\n".join(lines) + "\n"
     (args.out_dir / "benchmark.md").write_text(report)
     if not args.no_plot:
-        plot_log_log(rows, x="img_size", y="img_per_s", series="model", panel="mode",
-                     panels={mode: mode for mode in MODES}, path=args.out_dir / "throughput.png",
-                     xlabel="image size (px)", ylabel="images / s")
+        bench.plot_log_log(rows, x="img_size", y="img_per_s", series="model", panel="mode",
+                           panels={mode: mode for mode in MODES}, path=args.out_dir / "throughput.png",
+                           xlabel="image size (px)", ylabel="images / s")
     print(report)
     return 0
 

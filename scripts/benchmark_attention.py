@@ -24,15 +24,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from mhla import benchmark as bench
 from mhla import block_layout, linear_attention, mhla_attention
-from mhla.benchmark import (
-    keep_freed_memory,
-    peak_memory,
-    peak_memory_in_worker,
-    plot_log_log,
-    return_freed_memory,
-    time_interleaved,
-)
 
 METHODS = ("sdpa", "linear", "mhla", "mhla_tokens")
 MODES = ("forward", "train")
@@ -121,16 +114,16 @@ def run_worker(args) -> float:
     method, n, mode = args.worker[0], int(args.worker[1]), args.worker[2]
     if args.threads:
         torch.set_num_threads(args.threads)
-    return_freed_memory()
+    bench.return_freed_memory()
     build_call(method, (2 * max(args.block_grid)) ** 2, mode, args)()
-    return peak_memory(build_call(method, n, mode, args), torch.device(args.device)) / 2 ** 20
+    return bench.peak_memory(build_call(method, n, mode, args), torch.device(args.device)) / 2 ** 20
 
 
 def setup(args) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if not args.system_malloc:
-        keep_freed_memory()
+        bench.keep_freed_memory()
 
 
 def measure_memory(args, method: str, n: int, mode: str) -> float:
@@ -140,13 +133,13 @@ def measure_memory(args, method: str, n: int, mode: str) -> float:
            "--device", args.device, "--dtype", args.dtype]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
-    return peak_memory_in_worker(cmd, f"{method} N={n} {mode}")
+    return bench.peak_memory_in_worker(cmd, f"{method} N={n} {mode}")
 
 
 def measure_times(args, n: int) -> dict:
     """Median time (ms) and spread (%) of every (method, mode) at N, all timed in interleaved rounds."""
     calls = {(m, mode): build_call(m, n, mode, args) for m in args.methods for mode in MODES}
-    return time_interleaved(calls, args.min_run_time, args.rounds)
+    return bench.time_interleaved(calls, args.min_run_time, args.rounds)
 
 
 def markdown_table(rows: list[dict], methods: list[str], sizes: list[int]) -> str:
@@ -217,9 +210,10 @@ def main(argv=None) -> None:
     report = f"{setting}\n\n{table}\n\n" + "\n".join(goals) + "\n"
     (args.out_dir / "attention_benchmark.md").write_text(report)
     if not args.no_plot:
-        plot_log_log(rows, x="n", y="time_ms", series="method", panel="mode",
-                     panels={"forward": "forward", "train": "forward + backward"},
-                     path=args.out_dir / "attention_benchmark.png", xlabel="tokens N", ylabel="time (ms)", sharey=True)
+        bench.plot_log_log(rows, x="n", y="time_ms", series="method", panel="mode",
+                           panels={"forward": "forward", "train": "forward + backward"},
+                           path=args.out_dir / "attention_benchmark.png", xlabel="tokens N", ylabel="time (ms)",
+                           sharey=True)
     print(report)
 
 
