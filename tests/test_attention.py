@@ -18,12 +18,20 @@ def features(module, x):
     return q, k, v, v.transpose(1, 2).flatten(2)
 
 
-def finish(module, out_heads, v, grid):
-    """LePE and projection on top of the per-head attention output, as the module documents."""
+def finish(module, out_heads, v, grid, norm=True):
+    """LePE, the module's norm (``scale_norm``) and projection on top of the per-head attention output."""
     out = out_heads.transpose(1, 2).flatten(2)
     if module.lepe is not None:
         out = out + F.pad(module.lepe(v[:, module.num_prefix_tokens:], grid), (0, 0, module.num_prefix_tokens, 0))
-    return module.proj(out)
+    return module.proj(module.norm(out) if norm else out)
+
+
+def naive_module_output(module, x, grid, norm=True):
+    """The MHLA module's output rebuilt from the naive reference."""
+    q, k, v_heads, v = features(module, x)
+    layout = module.layout(grid)
+    return finish(module, naive_mhla_attention(q, k, v_heads, module.full_mixing(layout), layout.block_ids), v, grid,
+                  norm)
 
 
 @pytest.mark.parametrize("form", ["blocks", "parallel"])
@@ -130,11 +138,16 @@ def test_drop_in_for_timm_vision_transformer(attn_layer):
     assert not missing
 
 
-def test_timm_block_with_scale_norm():
-    block = Block(48, 3, qk_norm=True, scale_attn_norm=True, attn_layer=MultiHeadLinearAttention)
-    assert isinstance(block.attn.norm, torch.nn.LayerNorm)
-    x = torch.randn(2, 64, 48)
-    assert block(x).shape == x.shape
+def test_timm_block_with_scale_norm_normalises_before_the_projection():
+    block = Block(48, 3, qk_norm=True, scale_attn_norm=True, attn_layer=MultiHeadLinearAttention).double()
+    attn = block.attn
+    assert isinstance(attn.norm, torch.nn.LayerNorm)
+    with torch.no_grad():
+        attn.norm.weight.uniform_(0.5, 2.0)
+        attn.norm.bias.uniform_(-1.0, 1.0)
+    x = torch.randn(2, 64, 48, dtype=torch.float64)
+    assert rel_rms(attn(x), naive_module_output(attn, x, (8, 8))) < 1e-12
+    assert rel_rms(attn(x), naive_module_output(attn, x, (8, 8), norm=False)) > 1e-3  # the norm is really applied
 
 
 def test_mixing_stays_in_range_through_training_steps():
@@ -150,10 +163,15 @@ def test_mixing_stays_in_range_through_training_steps():
 
 
 def test_grid_inference_and_dynamic_grid():
-    module = MultiHeadLinearAttention(16, 2, block_grid=(2, 2))
+    module = MultiHeadLinearAttention(16, 2, block_grid=(2, 2)).double()
     assert module.token_grid(64) == (8, 8)
+    x = torch.randn(1, 60, 16, dtype=torch.float64)
     module.grid_size = (6, 10)
-    assert module(torch.randn(1, 60, 16)).shape == (1, 60, 16)
+    wide = module(x)
+    assert rel_rms(wide, naive_module_output(module, x, (6, 10))) < 1e-12
+    module.grid_size = (10, 6)  # the same tokens on another grid: other blocks, other LePE neighbours
+    assert rel_rms(module(x), naive_module_output(module, x, (10, 6))) < 1e-12
+    assert rel_rms(module(x), wide) > 1e-3
 
 
 @pytest.mark.parametrize("kwargs,x_tokens,match", [

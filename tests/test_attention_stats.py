@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from helpers import ROOT, load_script, make_image_folder, run_train, tiny_config
 from PIL import Image
 
@@ -13,6 +14,7 @@ def run_stats(*args):
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
 
 
+@pytest.mark.slow  # the script in a subprocess
 def test_stats_of_three_kinds_on_photos(tmp_path):
     proc = run_stats("--model", "deit_tiny_linear", "--model", "deit_tiny_mhla", "--dataset", "photos",
                      "--num-images", 2, "--img-size", 160, "--out", tmp_path)
@@ -27,6 +29,7 @@ def test_stats_of_three_kinds_on_photos(tmp_path):
     assert (tmp_path / "rank_entropy.png").stat().st_size > 0 and (tmp_path / "per_layer.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # the script in a subprocess
 def test_plain_folder_of_images(tmp_path):
     folder = tmp_path / "images"
     folder.mkdir()
@@ -38,6 +41,7 @@ def test_plain_folder_of_images(tmp_path):
     assert json.loads((tmp_path / "o" / "stats.json").read_text())["deit_tiny_softmax"]["num_images"] == 3
 
 
+@pytest.mark.slow  # the script in a subprocess
 def test_attention_maps_png(tmp_path):
     out = tmp_path / "maps.png"
     cmd = [sys.executable, str(ROOT / "scripts" / "attention_maps.py"), "--model", "deit_tiny_linear", "--model",
@@ -51,6 +55,7 @@ def test_attention_maps_png(tmp_path):
     assert bad.returncode != 0 and "outside the 4x4 token grid" in bad.stderr
 
 
+@pytest.mark.slow  # the script in a subprocess
 def test_config_as_model_source_with_its_checkpoint_and_lepe(tmp_path):
     config = tiny_config(tmp_path, make_image_folder(tmp_path / "data"), epochs=1)
     assert run_train("--config", str(config)).returncode == 0

@@ -9,6 +9,7 @@ from helpers import ROOT, load_script
 benchmark_attention = load_script("benchmark_attention")
 
 
+@pytest.mark.slow  # the script in a subprocess
 def test_smoke_run_writes_table_csv_and_plot(tmp_path):
     cmd = [sys.executable, str(ROOT / "scripts" / "benchmark_attention.py"), "--sizes", "16", "64",
            "--methods", "linear", "mhla", "--batch-size", "1", "--heads", "1", "--head-dim", "8",

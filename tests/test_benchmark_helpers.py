@@ -58,6 +58,7 @@ def test_interleaved_rounds_give_the_median_and_the_spread():
     assert result["b"] == pytest.approx((5.0, 0.0))
 
 
+@pytest.mark.slow  # a fresh process
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="resident-memory peak needs Linux")
 def test_cpu_peak_memory_counts_what_the_call_allocates():
     proc = subprocess.run([sys.executable, "-c", PEAK_SCRIPT], capture_output=True, text=True, timeout=120)
@@ -84,6 +85,7 @@ print(kept - before, kept - rss_mib())
 """
 
 
+@pytest.mark.slow  # a fresh process
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc_trim needs Linux")
 def test_release_returns_the_memory_keep_freed_memory_kept():
     proc = subprocess.run([sys.executable, "-c", RELEASE_SCRIPT], capture_output=True, text=True, timeout=120)

@@ -10,6 +10,7 @@ from helpers import ROOT, load_script
 SCRIPT = ROOT / "scripts" / "benchmark.py"
 
 
+@pytest.mark.slow  # the script in a subprocess
 def test_smoke_run_writes_every_output(tmp_path):
     cmd = [sys.executable, str(SCRIPT), "--models", "deit_tiny_mhla", "deit_tiny_linear", "--img-sizes", "64",
            "--batch-size", "2", "--min-run-time", "0.05", "--rounds", "2", "--out-dir", str(tmp_path)]
@@ -57,6 +58,7 @@ def test_ratios_and_targets():
     assert linear["value"] == pytest.approx(10 / 9) and linear["met"] is True
 
 
+@pytest.mark.slow  # the script in a subprocess
 def test_bad_arguments(tmp_path):
     for args, message in ((["--models", "deit_tiny_nope"], "unknown model 'deit_tiny_nope'"),
                           (["--img-sizes", "100"], "100 is not divisible by the patch size 16")):

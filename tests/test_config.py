@@ -83,6 +83,7 @@ def test_train_refuses_bad_configs_before_any_work(tmp_path, capsys, sections, o
     assert not (tmp_path / "output").exists()
 
 
+@pytest.mark.slow  # train.py in a subprocess
 def test_bad_config_from_the_command_line_has_no_traceback(tmp_path):
     config = tiny_config(tmp_path, make_image_folder(tmp_path / "data"))
     proc = run_train("--config", str(config), "--set", "optim.lrr=1", timeout=120)
@@ -91,6 +92,7 @@ def test_bad_config_from_the_command_line_has_no_traceback(tmp_path):
     assert not (tmp_path / "output").exists()
 
 
+@pytest.mark.slow  # train.py in a subprocess
 def test_missing_config_and_missing_resume(tmp_path):
     proc = run_train("--config", str(tmp_path / "none.yaml"), timeout=120)
     assert proc.returncode == 2 and "config file" in proc.stderr and "does not exist" in proc.stderr

@@ -7,6 +7,7 @@ from timm.data import create_transform
 from mhla.training.data import AugmentedDataset, EpochSampler, MNIST5k, collate_skipping, shard_indices
 
 
+@pytest.mark.slow  # reads and splits all 5,000 digits
 def test_mnist5k_is_real_and_split_once():
     train, val = MNIST5k(train=True), MNIST5k(train=False)
     assert (len(train), len(val)) == (4000, 1000)

@@ -2,8 +2,11 @@
 import json
 import sys
 
+import pytest
 import torch
 from helpers import make_image_folder, run_train, tiny_config
+
+pytestmark = pytest.mark.slow  # torchrun with 2 processes
 
 
 def test_two_processes_match_one(tmp_path):

@@ -174,6 +174,7 @@ def _write_random_deit(path):
     return source
 
 
+@pytest.mark.slow  # the conversion script in a subprocess
 def test_conversion_from_a_softmax_deit_checkpoint(tmp_path):
     source = _write_random_deit(tmp_path / "deit.pth")
     out = tmp_path / "mhla.pth"
@@ -205,6 +206,7 @@ def test_conversion_resamples_positions_to_another_resolution():
     (["--src", "missing.pth"], "--src missing.pth does not exist"),
     (["--model", "deit_tiny_nope"], "--model 'deit_tiny_nope' is not a registered model"),
 ])
+@pytest.mark.slow  # the conversion script in a subprocess
 def test_conversion_errors(tmp_path, args, match):
     _write_random_deit(tmp_path / "deit.pth")
     base = {"--src": str(tmp_path / "deit.pth"), "--model": "deit_tiny_mhla", "--out": str(tmp_path / "o.pth")}
@@ -230,6 +232,7 @@ def test_bad_model_arguments(name, kwargs, error, match):
         timm.create_model(name, **kwargs)
 
 
+@pytest.mark.slow  # torch.compile
 def test_compiles_on_cpu_without_graph_breaks():
     model = timm.create_model("deit_tiny_mhla", img_size=64, depth=2)
     x = torch.randn(2, 3, 64, 64)

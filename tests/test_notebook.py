@@ -1,5 +1,6 @@
 """notebooks/attention_analysis.ipynb runs headless from top to bottom and is committed without outputs."""
 import nbformat
+import pytest
 from helpers import ROOT
 from nbclient import NotebookClient
 
@@ -12,6 +13,7 @@ def test_notebook_is_committed_without_outputs():
                for cell in notebook.cells if cell.cell_type == "code")
 
 
+@pytest.mark.slow  # executes the notebook
 def test_notebook_executes(tmp_path):
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()

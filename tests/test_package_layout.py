@@ -3,6 +3,8 @@ import ast
 import subprocess
 import sys
 
+import pytest
+import torch
 from helpers import ROOT
 
 LIBRARY = sorted((ROOT / "mhla").glob("*.py"))
@@ -30,6 +32,7 @@ def test_the_library_never_imports_the_harness_or_the_models():
         assert not bad, f"{path.name} imports {sorted(bad)}"
 
 
+@pytest.mark.slow  # a fresh process
 def test_importing_the_library_stays_light():
     """Nothing heavy beyond what torch itself loads (torch imports tqdm, for one)."""
     modules = ", ".join(f"mhla.{p.stem}" for p in LIBRARY if p.stem != "__init__")
@@ -52,3 +55,13 @@ def test_the_package_declares_what_the_requirements_files_install():
 
     assert project["dependencies"] == pins("requirements.txt")
     assert project["optional-dependencies"]["dev"] == pins("requirements-dev.txt")
+
+
+def test_cuda_marked_tests_are_skipped_without_a_device(pytester):
+    pytester.makeconftest((ROOT / "tests" / "conftest.py").read_text())
+    pytester.makepyfile("import pytest\n\n@pytest.mark.cuda\ndef test_on_gpu():\n    assert False\n")
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-o", "markers=cuda: needs CUDA")
+    if torch.cuda.is_available():
+        result.assert_outcomes(failed=1)
+    else:
+        result.assert_outcomes(skipped=1)

@@ -2,7 +2,10 @@
 import subprocess
 import sys
 
+import pytest
 from helpers import ROOT
+
+pytestmark = pytest.mark.slow  # every entry point in a subprocess
 
 ENTRY_POINTS = sorted(str(p.relative_to(ROOT)) for p in [*ROOT.glob("scripts/*.py"), ROOT / "train.py",
                                                            ROOT / "validate.py"])

@@ -3,8 +3,11 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 from helpers import ROOT, make_image_folder, run_train, tiny_config
+
+pytestmark = pytest.mark.slow  # train.py in subprocesses, killed and resumed
 
 # Runs train.py, but kills its own process (SIGKILL: no cleanup, no final save) right after optimizer
 # step KILL_AT, before the trainer's on_step could checkpoint it: the resumed run must redo that work.

@@ -27,6 +27,8 @@ from helpers import ROOT
 
 import models  # noqa: F401  (registers the models)
 
+pytestmark = pytest.mark.slow  # timm's test file, every model at 224 px
+
 OUR_MODELS = sorted(timm.list_models(["*_mhla", "deit_*_linear", "deit_*_softmax"]))
 FILE_TESTS = ("test_model_forward", "test_model_backward", "test_model_default_cfgs_non_std", "test_model_forward_fx",
               "test_model_backward_fx")

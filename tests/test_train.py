@@ -7,6 +7,8 @@ import torch
 import yaml
 from helpers import make_image_folder, run_train, tiny_config
 
+pytestmark = pytest.mark.slow  # train.py in subprocesses
+
 METRIC_KEYS = {"epoch", "train_loss", "val_loss", "val_top1", "val_top5", "lr", "epoch_time_s"}
 
 

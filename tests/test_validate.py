@@ -14,6 +14,8 @@ import models  # noqa: F401  (registers the models)
 import validate
 from mhla.training.evaluation import WeightsError, load_model_spec, resolve_model
 
+pytestmark = pytest.mark.slow  # train.py and validate.py in subprocesses
+
 
 def run_validate(*args, prefix=()):
     cmd = list(prefix or (sys.executable,)) + [str(ROOT / "validate.py"), *map(str, args)]
