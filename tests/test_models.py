@@ -252,8 +252,9 @@ def test_compiles_on_cpu_without_graph_breaks():
 NAME = re.compile(r"\b(deit_(?:tiny|small|base)_[a-z0-9_]+|vit_[a-z0-9_]+)\b")
 
 
-def test_every_model_name_in_configs_readme_and_scripts_is_registered():
-    files = [ROOT / "README.md", *ROOT.glob("configs/**/*.yaml"), *ROOT.glob("scripts/**/*.py")]
+def test_every_model_name_in_configs_docs_and_scripts_is_registered():
+    files = [ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("configs/**/*.yaml"),
+             *ROOT.glob("scripts/**/*.py")]
     names = {name for f in files for name in NAME.findall(f.read_text())}
     assert "deit_tiny_mhla" in names
     assert [n for n in sorted(names) if not timm.is_model(n)] == []

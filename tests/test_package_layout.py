@@ -1,5 +1,6 @@
 """The attention library (``mhla``) stands apart from the training harness (``mhla.training``) and the models."""
 import ast
+import re
 import subprocess
 import sys
 
@@ -65,3 +66,11 @@ def test_cuda_marked_tests_are_skipped_without_a_device(pytester):
         result.assert_outcomes(failed=1)
     else:
         result.assert_outcomes(skipped=1)
+
+
+def test_every_relative_link_in_the_documentation_resolves():
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    assert len(pages) > 1
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):
+            assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
