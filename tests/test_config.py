@@ -2,11 +2,14 @@
 import re
 
 import pytest
+import timm
 import yaml
 from helpers import ROOT, make_image_folder, run_train, tiny_config
 
+import models  # noqa: F401  (registers the models)
 import train
 from mhla.training.config import DEFAULTS, ConfigError, load_config
+from mhla.training.trainer import build_model, check_buildable
 
 
 def write(path, data):
@@ -99,3 +102,18 @@ def test_missing_config_and_missing_resume(tmp_path):
     config = tiny_config(tmp_path, make_image_folder(tmp_path / "data"))
     proc = run_train("--config", str(config), "--resume", str(tmp_path / "nope.pth"), timeout=120)
     assert proc.returncode == 2 and "--resume: checkpoint" in proc.stderr
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_builds(path):
+    """Each config's model, optimizer and scheduler build (on the meta device), its base chain merged."""
+    config = load_config(path)
+    check_buildable(config)
+    assert config["model"]["name"] in timm.list_models(module="deit_mhla")
+
+
+def test_a_null_keyword_removes_what_the_base_set():
+    config = load_config(ROOT / "configs" / "quickstart_softmax.yaml")
+    assert config["model"]["kwargs"]["block_grid"] is None and config["model"]["kwargs"]["embed_dim"] == 96
+    model = build_model(config, num_classes=10)
+    assert model.embed_dim == 96 and len(model.blocks) == 4 and type(model.blocks[0].attn).__name__ == "Attention"
