@@ -3,13 +3,16 @@
 Both take ``x`` ``[B, N, C]``, N = P prefix tokens (class/register tokens) followed by the patch
 tokens of a ``gh x gw`` grid in raster order, and return ``[B, N, C]``:
 
+    x       = LayerNorm(x)                  # with input_norm=True only (the released code's)
     q, k, v = qkv(x)                        # [B, N, C] each
     q, k    = RMSNorm(q), RMSNorm(k)        # over C, with qk_norm=True (paper); epsilon norm_eps
-    phi(x)  = ReLU(x) + eps                 # eps also guards the denominator
+    phi(x)  = ReLU(x) + feature_eps         # feature_eps defaults to eps, which also guards the denominator
     o       = attention(phi(q), phi(k), v)  # per head, head dim C / H
     out     = proj(o + LePE(v))             # LePE on the patch tokens only
 
-There is no LayerNorm inside: timm's block already normalises the input (``norm1``).
+By default there is no LayerNorm inside: timm's block already normalises the input (``norm1``). The
+released code has a second one (``input_norm=True``): redundant as a design, but its trained affine
+weights change the output, so its checkpoints need it.
 
 Prefix tokens in MHLA: they form extra key blocks that every query reads with weight 1, and their
 own queries read every block with weight 1 (plain linear attention over all tokens). In matrix
@@ -60,9 +63,14 @@ class LinearAttention(nn.Module):
             an attribute between forwards (e.g. for dynamic image sizes).
         num_prefix_tokens: P tokens before the patch tokens.
         lepe_kernel: LePE depthwise kernel size, 0 for none.
-        eps: the feature map's offset (``phi(x) = ReLU(x) + eps``) and the denominator's epsilon.
+        eps: the denominator's epsilon, and the feature map's offset (``phi(x) = ReLU(x) + eps``) unless
+            ``feature_eps`` is given.
+        feature_eps: the feature map's offset; None (default) uses ``eps``. The released linear baseline
+            uses 0 (``phi(x) = ReLU(x)``) with ``eps=1e-6`` in the denominator.
         norm_eps: epsilon of the q/k RMSNorm (``qk_norm=True``), apart from ``eps`` as in fla, so that
-            an ``eps`` ablation leaves the norm alone.
+            an ``eps`` ablation leaves the norm alone; None uses the dtype's epsilon, as
+            ``nn.RMSNorm(dim)`` in the released MHLA code.
+        input_norm: a LayerNorm (eps 1e-5, affine) on the attention's input, as the released MHLA code has.
     """
 
     def __init__(
@@ -81,7 +89,9 @@ class LinearAttention(nn.Module):
             num_prefix_tokens: int = 0,
             lepe_kernel: int = 5,
             eps: float = 1e-6,
-            norm_eps: float = 1e-6,
+            feature_eps: float | None = None,
+            norm_eps: float | None = 1e-6,
+            input_norm: bool = False,
             device=None,
             dtype=None,
     ) -> None:
@@ -100,7 +110,9 @@ class LinearAttention(nn.Module):
         self.grid_size = None if grid_size is None else tuple(grid_size)
         self.num_prefix_tokens = num_prefix_tokens
         self.eps = eps
+        self.feature_eps = eps if feature_eps is None else feature_eps
 
+        self.input_norm = nn.LayerNorm(dim, eps=1e-5, **dd) if input_norm else nn.Identity()
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias, **dd)
         self.q_norm = nn.RMSNorm(dim, eps=norm_eps, **dd) if qk_norm else nn.Identity()
         self.k_norm = nn.RMSNorm(dim, eps=norm_eps, **dd) if qk_norm else nn.Identity()
@@ -129,12 +141,12 @@ class LinearAttention(nn.Module):
     def features(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k and v of ``x`` ``[B, N, C]`` as the attention uses them, each ``[B, H, N, C / H]``.
 
-        q and k are feature-mapped: RMSNorm over all C channels (``qk_norm``), then ``ReLU(x) + eps``;
-        v is a view of the qkv projection's output.
+        q and k are feature-mapped: RMSNorm over all C channels (``qk_norm``), then
+        ``ReLU(x) + feature_eps``; v is a view of the qkv projection's output (after ``input_norm``).
         """
-        q, k, v = self.qkv(x).chunk(3, dim=-1)  # [B, N, C] each
-        q = F.relu(_norm(self.q_norm, q)) + self.eps
-        k = F.relu(_norm(self.k_norm, k)) + self.eps
+        q, k, v = self.qkv(self.input_norm(x)).chunk(3, dim=-1)  # [B, N, C] each
+        q = F.relu(_norm(self.q_norm, q)) + self.feature_eps
+        k = F.relu(_norm(self.k_norm, k)) + self.feature_eps
         return self.split_heads(q), self.split_heads(k), self.split_heads(v)
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
