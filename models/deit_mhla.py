@@ -3,17 +3,25 @@
 Every model is timm's ``VisionTransformer`` (built by ``build_model_with_cfg``) with its attention
 chosen by keyword (``attn_layer=``). The paper's DeiT setting: patch 16, head dim 64, no class
 token, average pooling, 4 x 4 blocks (M = 16), RMSNorm on q and k, LePE 5 x 5, ``transform="linear"``,
-learnable W kept in [0, 1]. The three families differ only in the attention, so they train under
-identical settings:
+learnable W kept in [0, 1]:
 
 - ``deit_{tiny,small,base}_mhla``: ``MultiHeadLinearAttention`` (no qkv bias, as released).
-- ``deit_{tiny,small}_linear``: ``LinearAttention`` with the same RMSNorm and LePE (M = 1).
+- ``deit_{tiny,small,base}_mhla_official``: the released code's MHLA exactly (its inner LayerNorm,
+  centred 224 -> 256 px padding, its normaliser, column-normalised W, q/k RMSNorm with the dtype's
+  epsilon, no constraint on W), to load its checkpoints (``models.convert_official``).
+- ``deit_{tiny,small}_linear``: the released code's linear baseline (what the paper's "linear
+  attention" rows trained): ``LinearAttention`` with RMSNorm for every block norm and ``fc_norm``,
+  fp32-style q/k RMSNorm (eps 1e-6), ``ReLU(x)`` with no offset, no LePE.
+- ``deit_{tiny,small}_linear_lepe``: ``LinearAttention`` exactly like the MHLA models (LayerNorm
+  blocks, LePE 5 x 5, ``ReLU(x) + eps``): MHLA with M = 1, the like-for-like comparison.
 - ``deit_{tiny,small}_softmax``: timm's softmax ``Attention`` (DeiT's qkv bias), no class token.
 
 Every attention option is a ``create_model`` keyword (``block_grid``, ``transform``, ``lepe_kernel``,
-``normalizer``, ``learnable_mixing``, ...), as are timm's own (``class_token``, ``img_size``,
-``dynamic_img_size``, ...). ``img_pad_to=256`` reproduces the released code's zero padding of
-224 px images to 256 px (bottom and right), which gives a 16 x 16 token grid.
+``normalizer``, ``learnable_mixing``, ``input_norm``, ...), as are timm's own (``class_token``,
+``img_size``, ``dynamic_img_size``, ``norm_layer``, ...). ``img_pad_to=256`` zero-pads input images to
+256 px, centred (16 px on every side of a 224 px image), as the released code does: the padding then
+becomes real tokens (patch-embedding bias and position embedding) that take part in attention, LePE
+and pooling, and the 16 x 16 token grid splits evenly into 4 x 4 blocks.
 """
 import torch
 import torch.nn.functional as F
@@ -27,7 +35,7 @@ from mhla import LinearAttention, MultiHeadLinearAttention
 __all__ = ["ATTENTION_OPTIONS", "MhlaVisionTransformer"]
 
 ATTENTION_TYPES = ("mhla", "linear", "softmax")
-LINEAR_OPTIONS = ("lepe_kernel", "eps", "norm_eps")
+LINEAR_OPTIONS = ("lepe_kernel", "eps", "feature_eps", "norm_eps", "input_norm")
 MHLA_OPTIONS = ("block_grid", "block_mode", "transform", "mixing_norm", "mixing_sigma", "learnable_mixing",
                 "constrain_mixing", "normalizer", "form")
 ATTENTION_OPTIONS = LINEAR_OPTIONS + MHLA_OPTIONS
@@ -52,13 +60,22 @@ def _configured(attn_cls: type, **options) -> type:
     return type(attn_cls.__name__, (), {"__new__": __new__, "__doc__": f"{attn_cls.__name__} with {options}"})
 
 
+@torch.fx.wrap  # torch.fx records the call as one node: its padding depends on the input's shape
+def pad_centred(x: torch.Tensor, size: int) -> torch.Tensor:
+    """Zero-pad images ``[B, C, H, W]`` to ``size x size``, centred (the released code's padding)."""
+    pad_h, pad_w = size - x.shape[-2], size - x.shape[-1]
+    if pad_h < 0 or pad_w < 0:
+        raise ValueError(f"input {tuple(x.shape[-2:])} is larger than img_pad_to={size}")
+    return F.pad(x, (pad_w // 2, pad_w - pad_w // 2, pad_h // 2, pad_h - pad_h // 2))
+
+
 class MhlaVisionTransformer(VisionTransformer):
     """timm's ``VisionTransformer`` with the attention chosen by ``attn_type``.
 
     Args:
         attn_type: ``"mhla"``, ``"linear"`` or ``"softmax"``.
-        img_pad_to: zero-pad input images (bottom/right) to this size before patch embedding;
-            ``img_size`` is then this size too. None (default) uses the image as is.
+        img_pad_to: zero-pad input images to this size, centred (as the released code), before patch
+            embedding; ``img_size`` is then this size too. None (default) uses the image as is.
         **kwargs: the attention options of ``ATTENTION_OPTIONS`` (linear and MHLA only) and
             timm ``VisionTransformer`` arguments.
     """
@@ -97,12 +114,7 @@ class MhlaVisionTransformer(VisionTransformer):
         return super().no_weight_decay() | names
 
     def _pad_image(self, x: torch.Tensor) -> torch.Tensor:
-        if self.img_pad_to is None:
-            return x
-        pad_h, pad_w = self.img_pad_to - x.shape[-2], self.img_pad_to - x.shape[-1]
-        if pad_h < 0 or pad_w < 0:
-            raise ValueError(f"input {tuple(x.shape[-2:])} is larger than img_pad_to={self.img_pad_to}")
-        return F.pad(x, (0, pad_w, 0, pad_h))
+        return x if self.img_pad_to is None else pad_centred(x, self.img_pad_to)
 
     def _pos_embed(self, x: torch.Tensor) -> torch.Tensor:
         """Tell every linear attention layer the token grid of this batch, then add positions."""
@@ -139,24 +151,27 @@ def _cfg(url: str = "", **kwargs) -> dict:
     }
 
 
-default_cfgs = generate_default_cfgs({
-    f"deit_{size}_{kind}.untrained": _cfg()
-    for size, kind in [("tiny", "mhla"), ("small", "mhla"), ("base", "mhla"), ("tiny", "linear"),
-                       ("small", "linear"), ("tiny", "softmax"), ("small", "softmax")]
-})
+VARIANTS = [("tiny", "mhla"), ("small", "mhla"), ("base", "mhla"), ("tiny", "mhla_official"),
+            ("small", "mhla_official"), ("base", "mhla_official"), ("tiny", "linear"), ("small", "linear"),
+            ("tiny", "linear_lepe"), ("small", "linear_lepe"), ("tiny", "softmax"), ("small", "softmax")]
+default_cfgs = generate_default_cfgs({f"deit_{size}_{kind}.untrained": _cfg() for size, kind in VARIANTS})
 
 _SIZES = {"tiny": dict(embed_dim=192, num_heads=3), "small": dict(embed_dim=384, num_heads=6),
           "base": dict(embed_dim=768, num_heads=12)}
+_MHLA = dict(attn_type="mhla", qkv_bias=False, qk_norm=True, block_grid=(4, 4), transform="linear", lepe_kernel=5)
 _ATTENTION = {
-    "mhla": dict(attn_type="mhla", qkv_bias=False, qk_norm=True, block_grid=(4, 4), transform="linear",
-                 lepe_kernel=5),
-    "linear": dict(attn_type="linear", qkv_bias=False, qk_norm=True, lepe_kernel=5),
+    "mhla": _MHLA,
+    "mhla_official": dict(_MHLA, normalizer="official", mixing_norm="columns", input_norm=True, norm_eps=None,
+                          constrain_mixing=False, img_pad_to=256),
+    "linear": dict(attn_type="linear", qkv_bias=False, qk_norm=True, lepe_kernel=0, feature_eps=0.0,
+                   norm_layer="rmsnorm"),
+    "linear_lepe": dict(attn_type="linear", qkv_bias=False, qk_norm=True, lepe_kernel=5),
     "softmax": dict(attn_type="softmax", qkv_bias=True),
 }
 
 
 def _create(variant: str, pretrained: bool = False, **kwargs) -> MhlaVisionTransformer:
-    size, kind = variant.split("_")[1:3]
+    size, kind = variant.split("_", 2)[1:]
     model_args = dict(patch_size=16, depth=12, class_token=False, global_pool="avg", **_SIZES[size],
                       **_ATTENTION[kind])
     return build_model_with_cfg(
@@ -186,15 +201,45 @@ def deit_base_mhla(pretrained: bool = False, **kwargs) -> MhlaVisionTransformer:
 
 
 @register_model
+def deit_tiny_mhla_official(pretrained: bool = False, **kwargs) -> MhlaVisionTransformer:
+    """DeiT-Tiny MHLA exactly as the released code builds it (its ``deit_tiny_pla_1d_v6_6``)."""
+    return _create("deit_tiny_mhla_official", pretrained, **kwargs)
+
+
+@register_model
+def deit_small_mhla_official(pretrained: bool = False, **kwargs) -> MhlaVisionTransformer:
+    """DeiT-Small MHLA exactly as the released code builds it (its ``deit_small_pla_1d_v6_6``)."""
+    return _create("deit_small_mhla_official", pretrained, **kwargs)
+
+
+@register_model
+def deit_base_mhla_official(pretrained: bool = False, **kwargs) -> MhlaVisionTransformer:
+    """DeiT-Base MHLA exactly as the released code builds it (its ``deit_base_pla_1d_v6_6``)."""
+    return _create("deit_base_mhla_official", pretrained, **kwargs)
+
+
+@register_model
 def deit_tiny_linear(pretrained: bool = False, **kwargs) -> MhlaVisionTransformer:
-    """DeiT-Tiny with plain ReLU linear attention (RMSNorm q/k, LePE), the paper's baseline."""
+    """DeiT-Tiny with the released code's linear baseline (RMSNorm blocks, ReLU, no LePE), at DeiT-T width."""
     return _create("deit_tiny_linear", pretrained, **kwargs)
 
 
 @register_model
 def deit_small_linear(pretrained: bool = False, **kwargs) -> MhlaVisionTransformer:
-    """DeiT-Small with plain ReLU linear attention (RMSNorm q/k, LePE), the paper's baseline."""
+    """DeiT-Small with the released code's linear baseline (its ``deit_small_linear``)."""
     return _create("deit_small_linear", pretrained, **kwargs)
+
+
+@register_model
+def deit_tiny_linear_lepe(pretrained: bool = False, **kwargs) -> MhlaVisionTransformer:
+    """DeiT-Tiny with ReLU linear attention built like the MHLA model (LayerNorm blocks, RMSNorm q/k, LePE)."""
+    return _create("deit_tiny_linear_lepe", pretrained, **kwargs)
+
+
+@register_model
+def deit_small_linear_lepe(pretrained: bool = False, **kwargs) -> MhlaVisionTransformer:
+    """DeiT-Small with ReLU linear attention built like the MHLA model (LayerNorm blocks, RMSNorm q/k, LePE)."""
+    return _create("deit_small_linear_lepe", pretrained, **kwargs)
 
 
 @register_model

@@ -16,14 +16,16 @@ import models
 from mhla import LinearAttention, MultiHeadLinearAttention
 from mhla.mixing import mixing_init
 
-MODELS = timm.list_models("deit_*_mhla") + timm.list_models("deit_*_linear") + timm.list_models("deit_*_softmax")
+MODELS = timm.list_models(module="deit_mhla")
+PAPER_SETTING = [n for n in MODELS if n.endswith(("_mhla", "_linear_lepe", "_softmax"))]
+RELEASED = [n for n in MODELS if n.endswith(("_mhla_official", "_linear"))]
 TINY = ["deit_tiny_mhla", "deit_tiny_linear", "deit_tiny_softmax"]
 
 
 def test_registered_names():
-    assert sorted(MODELS) == sorted([
-        "deit_tiny_mhla", "deit_small_mhla", "deit_base_mhla", "deit_tiny_linear", "deit_small_linear",
-        "deit_tiny_softmax", "deit_small_softmax"])
+    assert sorted(MODELS) == sorted(
+        [f"deit_{size}_mhla{suffix}" for size in ("tiny", "small", "base") for suffix in ("", "_official")]
+        + [f"deit_{size}_{kind}" for size in ("tiny", "small") for kind in ("linear", "linear_lepe", "softmax")])
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -37,7 +39,7 @@ def test_forward_backward(name, img_size):
     assert not no_grad
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", PAPER_SETTING)
 def test_paper_settings(name):
     model = timm.create_model(name)
     assert model.cls_token is None and model.global_pool == "avg" and model.num_prefix_tokens == 0
@@ -51,6 +53,22 @@ def test_paper_settings(name):
     if name.endswith("_mhla"):
         assert isinstance(attn, MultiHeadLinearAttention) and attn.block_grid == (4, 4)
         assert torch.allclose(attn.mixing.weight, mixing_init((4, 4), "linear", "rows").float())
+
+
+@pytest.mark.parametrize("name", RELEASED)
+def test_released_settings(name):
+    model = timm.create_model(name)
+    attn = model.blocks[0].attn
+    assert model.cls_token is None and model.global_pool == "avg" and attn.head_dim == 64 and attn.qkv.bias is None
+    if name.endswith("_linear"):  # the released linear baseline
+        assert type(attn) is LinearAttention and attn.lepe is None and attn.feature_eps == 0 and attn.eps == 1e-6
+        assert isinstance(model.blocks[0].norm1, timm.layers.RmsNorm) and isinstance(model.fc_norm, timm.layers.RmsNorm)
+        assert attn.q_norm.eps == 1e-6 and isinstance(attn.input_norm, torch.nn.Identity)
+        return
+    assert model.img_pad_to == 256 and model.patch_embed.grid_size == (16, 16) and attn.normalizer == "official"
+    assert isinstance(attn.input_norm, torch.nn.LayerNorm) and attn.input_norm.eps == 1e-5 and attn.q_norm.eps is None
+    assert not attn.mixing.constrain and attn.lepe.conv.kernel_size == (5, 5)
+    assert torch.allclose(attn.mixing.weight, mixing_init((4, 4), "linear", "columns").float())
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -125,7 +143,7 @@ def test_image_padding_like_the_released_code():
     plain.load_state_dict(padded.state_dict())
     x = torch.randn(1, 3, 224, 224)
     with torch.no_grad():
-        torch.testing.assert_close(padded(x), plain(F.pad(x, (0, 32, 0, 32))))
+        torch.testing.assert_close(padded(x), plain(F.pad(x, (16, 16, 16, 16))))  # centred: 16 px on every side
     assert padded.blocks[0].attn.grid_size == (16, 16)
 
 
