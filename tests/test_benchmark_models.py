@@ -12,14 +12,14 @@ SCRIPT = ROOT / "scripts" / "benchmark.py"
 
 @pytest.mark.slow  # the script in a subprocess
 def test_smoke_run_writes_every_output(tmp_path):
-    cmd = [sys.executable, str(SCRIPT), "--models", "deit_tiny_mhla", "deit_tiny_linear", "--img-sizes", "64",
+    cmd = [sys.executable, str(SCRIPT), "--models", "deit_tiny_mhla", "deit_tiny_linear_lepe", "--img-sizes", "64",
            "--batch-size", "2", "--min-run-time", "0.05", "--rounds", "2", "--out-dir", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr
     with open(tmp_path / "benchmark.csv") as f:
         rows = list(csv.DictReader(f))
     assert {(r["model"], r["img_size"], r["mode"]) for r in rows} == {
-        (model, "64", mode) for model in ("deit_tiny_mhla", "deit_tiny_linear") for mode in ("inference", "train")}
+        (model, "64", mode) for model in ("deit_tiny_mhla", "deit_tiny_linear_lepe") for mode in ("inference", "train")}
     for row in rows:
         assert float(row["img_per_s"]) == float(row["batch_size"]) * 1e3 / float(row["step_ms"])
         assert float(row["gmacs"]) > 0 and 5.0 < float(row["params_m"]) < 6.0
@@ -30,11 +30,11 @@ def test_smoke_run_writes_every_output(tmp_path):
     report = json.loads((tmp_path / "benchmark.json").read_text())
     step = {(r["model"], r["mode"]): float(r["step_ms"]) for r in rows}
     assert [(r["ratio"], r["mode"]) for r in report["ratios"]] == [
-        ("deit_tiny_mhla / deit_tiny_linear step time", mode) for mode in ("inference", "train")]
+        ("deit_tiny_mhla / deit_tiny_linear_lepe step time", mode) for mode in ("inference", "train")]
     for r in report["ratios"]:
-        assert r["value"] == pytest.approx(step[("deit_tiny_mhla", r["mode"])] / step[("deit_tiny_linear", r["mode"])])
-        assert f"| deit_tiny_mhla / deit_tiny_linear step time | 64 | {r['mode']} | {r['value']:.2f} | <= 1.15 |" in \
-            proc.stdout
+        mode = r["mode"]
+        assert r["value"] == pytest.approx(step[("deit_tiny_mhla", mode)] / step[("deit_tiny_linear_lepe", mode)])
+        assert f"| {r['ratio']} | 64 | {mode} | {r['value']:.2f} | <= 1.15 |" in proc.stdout
     assert (tmp_path / "throughput.png").stat().st_size > 0
 
 
@@ -45,7 +45,7 @@ def test_ratios_and_targets():
     rows = [row("deit_tiny_patch16_224", 224, "inference", 100.0), row("deit_tiny_mhla", 224, "inference", 125.0),
             row("deit_tiny_mhla", 1024, "train", 10.0, peak_mib=300.0),
             row("deit_tiny_softmax", 1024, "train", 50.0, peak_mib=1000.0),
-            row("deit_tiny_linear", 1024, "train", 9.0)]
+            row("deit_tiny_linear_lepe", 1024, "train", 9.0)]
     found = {(r["ratio"], r["img_size"], r["mode"]): r for r in load_script("benchmark").ratios(rows)}
     assert len(found) == 4
     timm_deit = found[("deit_tiny_mhla / deit_tiny_patch16_224 throughput", 224, "inference")]
@@ -54,7 +54,7 @@ def test_ratios_and_targets():
     assert speed_up["value"] == pytest.approx(5.0) and speed_up["met"] is True
     memory = found[("deit_tiny_mhla / deit_tiny_softmax peak memory", 1024, "train")]
     assert memory["value"] == pytest.approx(0.3) and memory["target"] == "<= 0.333" and memory["met"] is True
-    linear = found[("deit_tiny_mhla / deit_tiny_linear step time", 1024, "train")]
+    linear = found[("deit_tiny_mhla / deit_tiny_linear_lepe step time", 1024, "train")]
     assert linear["value"] == pytest.approx(10 / 9) and linear["met"] is True
 
 

@@ -146,3 +146,12 @@ def test_the_cli_converts_and_refuses_in_one_line(official_mhla, tmp_path, capsy
         assert len(err) == 1 and err[0].startswith("error:") and match in err[0], err
     assert not (tmp_path / "x.pth").exists()
     assert models.convert_official is convert_official
+
+
+def test_model_sizes_lists_ours_beside_the_released_counts(capsys):
+    load_script("model_sizes").main(["--models", "deit_tiny_mhla_official", "deit_tiny_mhla"])
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[0].endswith("| released code (params) |")
+    assert rows[2].startswith("| deit_tiny_mhla_official | 5.794 |") and rows[2].endswith(
+        "| deit_tiny_pla_1d_v6_6: 5.794 |")
+    assert rows[3].startswith("| deit_tiny_mhla | 5.778 |") and rows[3].endswith("|  |")
