@@ -25,9 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .blocks import MODES, BlockLayout, block_layout
+from .fused import qkv_attention
 from .lepe import LePE
 from .mixing import MixingMatrix
-from .ops import NORMALIZERS, linear_attention, mhla_attention, mhla_attention_parallel
+from .ops import NORMALIZERS, mhla_attention
 
 __all__ = ["FORMS", "LinearAttention", "MultiHeadLinearAttention"]
 
@@ -143,32 +144,43 @@ class LinearAttention(nn.Module):
 
         q and k are feature-mapped: RMSNorm over all C channels (``qk_norm``), then
         ``ReLU(x) + feature_eps``; v is a view of the qkv projection's output (after ``input_norm``).
+        Autograd through these steps is the reference that ``forward``'s fused path reproduces.
         """
-        q, k, v = self.qkv(self.input_norm(x)).chunk(3, dim=-1)  # [B, N, C] each
-        q = F.relu(_norm(self.q_norm, q)) + self.feature_eps
-        k = F.relu(_norm(self.k_norm, k)) + self.feature_eps
-        return self.split_heads(q), self.split_heads(k), self.split_heads(v)
+        return self._features(self.qkv(self.input_norm(x)))
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
         """``x`` ``[B, N, C]`` -> ``[B, N, C]``."""
         if attn_mask is not None or is_causal:
             raise ValueError(f"{type(self).__name__} supports neither attn_mask nor is_causal")
         grid = self.token_grid(x.shape[1])
-        q, k, v = self.features(x)  # [B, H, N, D]
-        out = self._attend(q, k, v, grid)  # [B, N, C]
+        qkv = self.qkv(self.input_norm(x))  # [B, N, 3C]
+        out = self._attend(qkv, grid)  # [B, N, C]
         if self.lepe is not None:
-            v = v.transpose(1, 2).flatten(2)  # [B, N, C], a view
-            lepe = self.lepe(v[:, self.num_prefix_tokens:], grid)  # [B, N - P, C]
-            out = out + F.pad(lepe, (0, 0, self.num_prefix_tokens, 0))
+            prefix, dim = self.num_prefix_tokens, qkv.shape[-1] // 3
+            lepe = self.lepe(qkv[:, prefix:, 2 * dim:], grid)  # [B, N - P, C], from a view of v
+            out = out + (F.pad(lepe, (0, 0, prefix, 0)) if prefix else lepe)
         return self.proj_drop(self.proj(self.norm(out)))
 
     def split_heads(self, x: torch.Tensor) -> torch.Tensor:
         """``[B, N, C]`` -> ``[B, H, N, C / H]`` (a view)."""
         return x.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-        """q, k, v ``[B, H, N, D]`` -> the attention output ``[B, N, C]``."""
-        return linear_attention(q, k, v, eps=self.eps).transpose(1, 2).flatten(2)
+    def _features(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``features`` from the qkv projection's output ``[B, N, 3C]``."""
+        q, k, v = qkv.chunk(3, dim=-1)  # [B, N, C] each
+        q = F.relu(_norm(self.q_norm, q)) + self.feature_eps
+        k = F.relu(_norm(self.k_norm, k)) + self.feature_eps
+        return self.split_heads(q), self.split_heads(k), self.split_heads(v)
+
+    def _fused_options(self) -> dict:
+        """``qkv_attention``'s keywords for this module's feature map and denominator."""
+        norm = isinstance(self.q_norm, nn.RMSNorm)
+        return dict(q_weight=self.q_norm.weight if norm else None, k_weight=self.k_norm.weight if norm else None,
+                    norm_eps=self.q_norm.eps if norm else None, feature_eps=self.feature_eps, eps=self.eps)
+
+    def _attend(self, qkv: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        """The qkv projection's output ``[B, N, 3C]`` -> the attention output ``[B, N, C]``."""
+        return qkv_attention(qkv, self.num_heads, **self._fused_options())
 
 
 class MultiHeadLinearAttention(LinearAttention):
@@ -261,15 +273,16 @@ class MultiHeadLinearAttention(LinearAttention):
         block_macs = (2 * slots + num_blocks * num_blocks) * self.head_dim * self.head_dim
         return parallel_macs <= PARALLEL_ADVANTAGE * block_macs
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-        """q, k, v ``[B, H, N, D]`` -> the attention output ``[B, N, C]``."""
-        layout = self.layout(grid, q.device)
+    def _attend(self, qkv: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        """The qkv projection's output ``[B, N, 3C]`` -> the attention output ``[B, N, C]``."""
+        layout = self.layout(grid, qkv.device)
         mixing = self.full_mixing(layout)
-        if self.uses_parallel_form(layout):
-            out = mhla_attention_parallel(q, k, v, mixing, layout.block_ids, eps=self.eps)  # [B, H, N, D]
-            return out.transpose(1, 2).flatten(2)  # [B, N, C]
-        q, k, v = (layout.to_blocks(t) for t in (q, k, v))  # [B, H, M + G, T, D]
-        key_mask = None if layout.evenly_divided else layout.mask[None]
-        out = mhla_attention(q, k, v, mixing, key_mask=key_mask, normalizer=self.normalizer,
-                             eps=self.eps)  # [B, H, M + G, T, D]
-        return layout.from_blocks(out.permute(0, 2, 3, 1, 4), dim=1).flatten(2)  # [B, N, C]
+        if self.normalizer == "official":  # through autograd: for loading the released code's checkpoints
+            q, k, v = (layout.to_blocks(t) for t in self._features(qkv))  # [B, H, M, T, D]
+            out = mhla_attention(q, k, v, mixing, normalizer="official", eps=self.eps)  # [B, H, M, T, D]
+            return layout.from_blocks(out.permute(0, 2, 3, 1, 4), dim=1).flatten(2)  # [B, N, C]
+        parallel = self.uses_parallel_form(layout)
+        if parallel:
+            mixing = mixing[layout.block_ids[:, None], layout.block_ids[None, :]]  # [N, N]: W[b(t), b(s)]
+        return qkv_attention(qkv, self.num_heads, mixing=mixing, layout=layout, parallel=parallel,
+                             **self._fused_options())

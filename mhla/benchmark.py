@@ -14,14 +14,14 @@ import statistics
 import subprocess
 import sys
 import timeit
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 __all__ = ["Timing", "keep_freed_memory", "peak_memory", "peak_memory_in_worker", "plot_log_log",
-           "release_freed_memory", "return_freed_memory", "time_call", "time_interleaved"]
+           "release_freed_memory", "return_freed_memory", "saved_bytes", "time_call", "time_interleaved"]
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
@@ -66,6 +66,36 @@ def time_interleaved(calls: dict[Hashable, Callable[[], object]], min_run_time: 
             release_freed_memory()
     return {key: (statistics.median(values), 100 * (max(values) - min(values)) / statistics.median(values))
             for key, values in times.items()}
+
+
+def saved_bytes(fn: Callable[[], object], exclude: Iterable[torch.Tensor] = (),
+                within: torch.nn.Module | None = None) -> int:
+    """Bytes of the tensors autograd keeps for backward while ``fn()`` runs: what a training forward holds.
+
+    Counted by storage (a view of a kept tensor costs nothing more), from
+    ``torch.autograd.graph.saved_tensors_hooks``; storages of ``exclude`` (e.g. the parameters, which
+    exist anyway) are left out. With ``within``, only what is kept while that module's forward runs.
+    """
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    kept: dict[int, int] = {}
+    active = [within is None]
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if active[0] and storage.data_ptr() not in skip:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    handles = [] if within is None else [
+        within.register_forward_pre_hook(lambda *_: active.__setitem__(0, True)),
+        within.register_forward_hook(lambda *_: active.__setitem__(0, False))]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            fn()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return sum(kept.values())
 
 
 def peak_memory_in_worker(cmd: list[str], what: str) -> float:

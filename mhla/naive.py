@@ -12,6 +12,7 @@ __all__ = [
     "mhla_attention_matrix",
     "naive_linear_attention",
     "naive_mhla_attention",
+    "naive_qkv_attention",
     "naive_softmax_attention",
     "softmax_attention_matrix",
 ]
@@ -86,3 +87,24 @@ def naive_linear_attention(q, k, v, *, eps=1e-6):
 def naive_softmax_attention(q, k, v, *, scale=None):
     """``softmax_attention_matrix(q, k) @ v``; v ``[B, H, N, Dv]`` -> ``[B, H, N, Dv]``."""
     return softmax_attention_matrix(q, k, scale=scale) @ v
+
+
+def naive_qkv_attention(qkv, num_heads, *, q_weight=None, k_weight=None, norm_eps=1e-6, feature_eps=1e-6, eps=1e-6,
+                        mixing=None, block_ids=None):
+    """``mhla.fused.qkv_attention`` step by step: qkv ``[B, N, 3C]`` -> ``[B, N, C]``.
+
+    q, k, v are split off, q and k go through RMSNorm (weights ``[C]``; none if None) and
+    ``ReLU + feature_eps``, then per head (D = C / H) ``naive_linear_attention`` (``mixing`` None) or
+    ``naive_mhla_attention`` with W ``[M, M]`` and ``block_ids`` ``[N]``.
+    """
+    q, k, v = qkv.chunk(3, dim=-1)  # [B, N, C] each
+    if q_weight is not None:
+        q = torch.nn.functional.rms_norm(q, q.shape[-1:], q_weight, norm_eps)
+        k = torch.nn.functional.rms_norm(k, k.shape[-1:], k_weight, norm_eps)
+    q, k, v = (t.unflatten(-1, (num_heads, -1)).transpose(1, 2) for t in (q, k, v))  # [B, H, N, D]
+    q, k = torch.relu(q) + feature_eps, torch.relu(k) + feature_eps
+    if mixing is None:
+        out = naive_linear_attention(q, k, v, eps=eps)
+    else:
+        out = naive_mhla_attention(q, k, v, mixing, block_ids, eps=eps)
+    return out.transpose(1, 2).flatten(2)

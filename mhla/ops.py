@@ -37,86 +37,131 @@ def _upcast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.to(dtype) for t in tensors)
 
 
-class _LinearAttentionFunction(torch.autograd.Function):
-    """``o = q^T (sum_j W_ij S_j) / (q^T (sum_j W_ij z_j) + eps)`` with a hand-written backward.
+def blocks_state(q, k, v, mask, mixing, eps):
+    """What ``blocks_forward`` computes before its output, and its backward needs.
 
     Shapes: q, k ``[..., M, T, D]``, v ``[..., M, T, Dv]``, ``mask`` None or a 0/1 multiplier that
     broadcasts to ``[..., M, T, 1]``, ``mixing`` ``[M, M]`` or None (no mixing: plain linear attention
-    when M = 1). Numerator and denominator are kept apart so that every large matmul has the
-    aligned shapes ``D x Dv`` (a ones-column appended to V makes them 65 wide, which is slower),
-    and the backward is a handful of batched matmuls where autograd would add copies and
-    zero-filled buffers.
+    when M = 1). Returns (masked k, S ``[..., M, D, Dv]``, z ``[..., M, D, 1]``, mixed S, mixed z,
+    denominator ``[..., M, T, 1]``).
     """
+    if mask is not None:
+        k = k * mask  # masked keys leave every sum
+    kv = k.transpose(-1, -2) @ v  # [..., M, D, Dv]: S_j
+    z = k.sum(-2, keepdim=True).transpose(-1, -2)  # [..., M, D, 1]: z_j
+    kv_mixed, z_mixed = (kv, z) if mixing is None else (_mix(mixing, kv), _mix(mixing, z))
+    den = q @ z_mixed + eps  # [..., M, T, 1]
+    return k, kv, z, kv_mixed, z_mixed, den
+
+
+def blocks_forward(q, k, v, mask, mixing, eps):
+    """``o = q^T (sum_j W_ij S_j) / (q^T (sum_j W_ij z_j) + eps)`` per block: ``[..., M, T, Dv]``, and its state.
+
+    Shapes as ``blocks_state``. Numerator and denominator are kept apart so that every large matmul
+    has the aligned shapes ``D x Dv`` (a ones-column appended to V makes them 65 wide, which is slower).
+    """
+    state = blocks_state(q, k, v, mask, mixing, eps)
+    return (q @ state[3]).div_(state[5]), state
+
+
+def blocks_backward(grad_out, q, v, mask, mixing, state, needs_grad):
+    """Gradients ``(q, k, v, mixing)`` of ``blocks_forward`` (None where ``needs_grad`` says False).
+
+    A handful of batched matmuls where autograd would add copies and zero-filled buffers; the
+    output itself is not needed: ``grad_out . o = q . (grad_num S~^T)`` comes from the matmul that
+    ``grad_q`` needs anyway.
+    """
+    k, kv, z, kv_mixed, z_mixed, den = state
+    grad_num = grad_out / den  # [..., M, T, Dv]
+    grad_q = grad_num @ kv_mixed.transpose(-1, -2)  # [..., M, T, D], the numerator's part
+    grad_den = (q * grad_q).sum(-1, keepdim=True).div_(den).neg_()  # [..., M, T, 1]: -(grad_num . o)
+    grad_q = grad_q.add_(grad_den * z_mixed.transpose(-1, -2)) if needs_grad[0] else None
+    grad_kv = q.transpose(-1, -2) @ grad_num  # [..., M, D, Dv], w.r.t. kv_mixed
+    grad_z = (q * grad_den).sum(-2, keepdim=True).transpose(-1, -2)  # [..., M, D, 1], w.r.t. z_mixed
+    grad_mixing = None
+    if mixing is not None:
+        if needs_grad[3]:
+            grad_mixing = _mix_grad(grad_kv, kv) + _mix_grad(grad_z, z)
+        grad_kv, grad_z = _mix(mixing.t(), grad_kv), _mix(mixing.t(), grad_z)  # w.r.t. kv, z
+    grad_k = None
+    if needs_grad[1]:
+        grad_k = (v @ grad_kv.transpose(-1, -2)).add_(grad_z.transpose(-1, -2))  # [..., M, T, D]
+        if mask is not None:
+            grad_k = grad_k.mul_(mask)
+    grad_v = k @ grad_kv if needs_grad[2] else None  # [..., M, T, Dv]; masked k rows are 0
+    return grad_q, grad_k, grad_v, grad_mixing
+
+
+def parallel_state(q, k, token_mixing, eps, keep_scores=True):
+    """Scores ``Q K^T``, ``A = scores * W_tok`` and the denominator ``A 1 + eps`` ``[..., N, 1]``.
+
+    Shapes: q, k ``[..., N, D]``, ``token_mixing`` ``[N, N]`` (``W[b(t), b(s)]``). ``keep_scores=False``
+    lets A overwrite the scores (when no backward follows).
+    """
+    scores = q @ k.transpose(-1, -2)  # [..., N, N]
+    attn = scores * token_mixing if keep_scores else scores.mul_(token_mixing)
+    return scores, attn, attn.sum(-1, keepdim=True).add_(eps)
+
+
+def parallel_forward(q, k, v, token_mixing, eps, keep_scores=True):
+    """``o = (A V) / (A 1 + eps)`` with ``A = (Q K^T) * W_tok``: ``[..., N, Dv]``, and (scores, denominator).
+
+    Shapes as ``parallel_state``, v ``[..., N, Dv]``.
+    """
+    scores, attn, den = parallel_state(q, k, token_mixing, eps, keep_scores)
+    return (attn @ v).div_(den), (scores, den)
+
+
+def parallel_backward(grad_out, q, k, v, token_mixing, scores, den, needs_grad, attn=None):
+    """Gradients ``(q, k, v, token_mixing)`` of ``parallel_forward`` (None where ``needs_grad`` says False).
+
+    A is rebuilt from the scores unless given (one elementwise product); ``grad_out . o`` comes
+    from ``grad_num V^T``, which the gradient of A needs anyway, so the output is not needed.
+    """
+    attn = scores * token_mixing if attn is None else attn  # [..., N, N]
+    grad_num = grad_out / den  # [..., N, Dv]
+    grad_attn = grad_num @ v.transpose(-1, -2)  # [..., N, N], the numerator's part
+    grad_den = (attn * grad_attn).sum(-1, keepdim=True).div_(den).neg_()  # [..., N, 1]: -(grad_num . o)
+    grad_v = attn.transpose(-1, -2) @ grad_num if needs_grad[2] else None  # [..., N, Dv]
+    grad_attn = grad_attn.add_(grad_den)
+    grad_mixing = (grad_attn * scores).flatten(0, -3).sum(0) if needs_grad[3] else None  # [N, N]
+    grad_scores = grad_attn.mul_(token_mixing)
+    grad_q = grad_scores @ k if needs_grad[0] else None  # [..., N, D]
+    grad_k = grad_scores.transpose(-1, -2) @ q if needs_grad[1] else None  # [..., N, D]
+    return grad_q, grad_k, grad_v, grad_mixing
+
+
+class _LinearAttentionFunction(torch.autograd.Function):
+    """``blocks_forward`` with its hand-written backward; keeps q, k, v and the per-block summaries."""
 
     @staticmethod
     def forward(ctx, q, k, v, mask, mixing, eps):
-        if mask is not None:
-            k = k * mask  # masked keys leave every sum
-        kv = k.transpose(-1, -2) @ v  # [..., M, D, Dv]: S_j
-        z = k.sum(-2, keepdim=True).transpose(-1, -2)  # [..., M, D, 1]: z_j
-        kv_mixed, z_mixed = (kv, z) if mixing is None else (_mix(mixing, kv), _mix(mixing, z))
-        den = q @ z_mixed + eps  # [..., M, T, 1]
-        out = (q @ kv_mixed).div_(den)  # [..., M, T, Dv]
-        ctx.save_for_backward(q, k, v, mask, mixing, kv, z, kv_mixed, z_mixed, out, den)
+        out, state = blocks_forward(q, k, v, mask, mixing, eps)
+        ctx.save_for_backward(q, v, mask, mixing, *state)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, mask, mixing, kv, z, kv_mixed, z_mixed, out, den = ctx.saved_tensors
-        grad_num = grad_out / den  # [..., M, T, Dv]
-        grad_den = -(grad_num * out).sum(-1, keepdim=True)  # [..., M, T, 1]
-        grad_q = None
-        if ctx.needs_input_grad[0]:
-            grad_q = (grad_num @ kv_mixed.transpose(-1, -2)).add_(grad_den * z_mixed.transpose(-1, -2))
-        grad_kv = q.transpose(-1, -2) @ grad_num  # [..., M, D, Dv], w.r.t. kv_mixed
-        grad_z = (q * grad_den).sum(-2, keepdim=True).transpose(-1, -2)  # [..., M, D, 1], w.r.t. z_mixed
-        grad_mixing = None
-        if mixing is not None:
-            if ctx.needs_input_grad[4]:
-                grad_mixing = _mix_grad(grad_kv, kv) + _mix_grad(grad_z, z)
-            grad_kv, grad_z = _mix(mixing.t(), grad_kv), _mix(mixing.t(), grad_z)  # w.r.t. kv, z
-        grad_k = None
-        if ctx.needs_input_grad[1]:
-            grad_k = (v @ grad_kv.transpose(-1, -2)).add_(grad_z.transpose(-1, -2))  # [..., M, T, D]
-            if mask is not None:
-                grad_k = grad_k.mul_(mask)
-        grad_v = k @ grad_kv if ctx.needs_input_grad[2] else None  # [..., M, T, Dv]; masked k rows are 0
+        q, v, mask, mixing, *state = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        grad_q, grad_k, grad_v, grad_mixing = blocks_backward(
+            grad_out, q, v, mask, mixing, state, (needs[0], needs[1], needs[2], needs[4]))
         return grad_q, grad_k, grad_v, None, grad_mixing, None
 
 
 class _ParallelFunction(torch.autograd.Function):
-    """``o = (A V) / (A 1 + eps)`` with ``A = (Q K^T) * W_tok``, a hand-written backward.
-
-    Shapes: q, k ``[..., N, D]``, v ``[..., N, Dv]``, ``token_mixing`` ``[N, N]`` (``W[b(t), b(s)]``).
-    Only the scores ``Q K^T`` (one ``N x N`` per batch and head) are kept for the backward; A is
-    rebuilt from them, which costs one elementwise product.
-    """
+    """``parallel_forward`` with its hand-written backward; keeps q, k, v and the scores (one N x N per head)."""
 
     @staticmethod
     def forward(ctx, q, k, v, token_mixing, eps):
-        scores = q @ k.transpose(-1, -2)  # [..., N, N]
-        attn = scores * token_mixing if any(ctx.needs_input_grad) else scores.mul_(token_mixing)
-        den = attn.sum(-1, keepdim=True).add_(eps)  # [..., N, 1]
-        out = (attn @ v).div_(den)  # [..., N, Dv]
-        ctx.save_for_backward(q, k, v, token_mixing, scores, out, den)
+        out, state = parallel_forward(q, k, v, token_mixing, eps, keep_scores=any(ctx.needs_input_grad))
+        ctx.save_for_backward(q, k, v, token_mixing, *state)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, token_mixing, scores, out, den = ctx.saved_tensors
-        grad_num = grad_out / den  # [..., N, Dv]
-        grad_den = -(grad_num * out).sum(-1, keepdim=True)  # [..., N, 1]
-        grad_v = None
-        if ctx.needs_input_grad[2]:
-            grad_v = (scores * token_mixing).transpose(-1, -2) @ grad_num  # [..., N, Dv]
-        grad_attn = (grad_num @ v.transpose(-1, -2)).add_(grad_den)  # [..., N, N]
-        grad_mixing = None
-        if ctx.needs_input_grad[3]:
-            grad_mixing = (grad_attn * scores).flatten(0, -3).sum(0)  # [N, N]
-        grad_scores = grad_attn.mul_(token_mixing)
-        grad_q = grad_scores @ k if ctx.needs_input_grad[0] else None  # [..., N, D]
-        grad_k = grad_scores.transpose(-1, -2) @ q if ctx.needs_input_grad[1] else None  # [..., N, D]
-        return grad_q, grad_k, grad_v, grad_mixing, None
+        q, k, v, token_mixing, scores, den = ctx.saved_tensors
+        return *parallel_backward(grad_out, q, k, v, token_mixing, scores, den, ctx.needs_input_grad[:4]), None
 
 
 def _check_token_order(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -42,12 +42,23 @@ def test_mhla_module_matches_naive(grid, block_grid, num_prefix_tokens, lepe_ker
     module = MultiHeadLinearAttention(48, 3, qk_norm=True, grid_size=grid, block_grid=block_grid,
                                       num_prefix_tokens=num_prefix_tokens, lepe_kernel=lepe_kernel,
                                       form=form).double()
-    x = torch.randn(2, num_prefix_tokens + grid[0] * grid[1], 48, dtype=torch.float64)
-    q, k, v_heads, v = features(module, x)
-    layout = module.layout(grid)
-    mixing = module.full_mixing(layout)
-    expected = finish(module, naive_mhla_attention(q, k, v_heads, mixing, layout.block_ids), v, grid)
-    assert rel_rms(module(x), expected) < 1e-12
+    with torch.no_grad():
+        module.mixing.weight.uniform_()
+        module.q_norm.weight.normal_(1.0, 0.3)
+    x = torch.randn(2, num_prefix_tokens + grid[0] * grid[1], 48, dtype=torch.float64, requires_grad=True)
+    assert_same_values_and_gradients(module, x, naive_module_output(module, x, grid))
+
+
+def assert_same_values_and_gradients(module, x, expected):
+    """``module(x)`` equals ``expected`` (the naive reference), and so do the gradients of x and every parameter."""
+    out = module(x)
+    assert rel_rms(out, expected) < 1e-12
+    grad_out = torch.randn_like(out)
+    tensors = [x, *module.parameters()]
+    names = ["x", *(name for name, _ in module.named_parameters())]
+    for name, got, want in zip(names, torch.autograd.grad(out, tensors, grad_out),
+                               torch.autograd.grad(expected, tensors, grad_out), strict=True):
+        assert rel_rms(got, want) < 1e-10, name
 
 
 @pytest.mark.parametrize("num_prefix_tokens", [0, 1])
@@ -105,10 +116,9 @@ def test_prefix_tokens_read_every_token_and_every_query_reads_them():
 @pytest.mark.parametrize("num_prefix_tokens", [0, 1])
 def test_linear_module_matches_naive(num_prefix_tokens):
     module = LinearAttention(48, 3, qk_norm=True, num_prefix_tokens=num_prefix_tokens).double()
-    x = torch.randn(2, num_prefix_tokens + 49, 48, dtype=torch.float64)
+    x = torch.randn(2, num_prefix_tokens + 49, 48, dtype=torch.float64, requires_grad=True)
     q, k, v_heads, v = features(module, x)
-    expected = finish(module, naive_linear_attention(q, k, v_heads), v, (7, 7))
-    assert rel_rms(module(x), expected) < 1e-12
+    assert_same_values_and_gradients(module, x, finish(module, naive_linear_attention(q, k, v_heads), v, (7, 7)))
 
 
 def test_one_block_mhla_equals_linear_attention_module():

@@ -1,0 +1,204 @@
+"""Attention from the qkv projection's output in one autograd function that keeps only that output.
+
+    qkv [B, N, 3C] -> q, k = ReLU(RMSNorm(q), RMSNorm(k)) + feature_eps, v    (per head, D = C / H)
+                   -> o = linear attention / MHLA (block or parallel form)    [B, N, C]
+
+This is the attention modules' default path (``MultiHeadLinearAttention`` with the paper's
+normalizer, ``LinearAttention``). Autograd through the same steps (``features`` and the ops of
+``mhla.ops``) keeps, per layer, the normalised q and k, their feature maps, block-major copies of
+q, k and v, the per-block summaries and the output. This function keeps the ``qkv`` tensor alone
+(which LePE's convolution keeps anyway, as a view of v) and recomputes the rest in backward, the
+trade FlashAttention makes: the elementwise feature map, and the summaries ``S_j = K_j^T V_j`` of
+the block form (one matmul of N D Dv) or the scores ``Q K^T`` of the parallel form (N^2 D). The
+math is ``mhla.ops``' (``blocks_*``, ``parallel_*``), so values and gradients are the ops'; the
+naive reference is ``mhla.naive.naive_qkv_attention``.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .blocks import BlockLayout
+from .ops import (
+    _no_autocast,
+    blocks_backward,
+    blocks_forward,
+    blocks_state,
+    parallel_backward,
+    parallel_forward,
+    parallel_state,
+)
+
+__all__ = ["feature_map", "feature_map_backward", "qkv_attention"]
+
+
+def feature_map(qk: torch.Tensor, weight: torch.Tensor | None, norm_eps: float | None,
+                feature_eps: float) -> torch.Tensor:
+    """``ReLU(RMSNorm(x) * weight) + feature_eps`` over the last dim C; ``weight`` None: ``ReLU(x) + feature_eps``.
+
+    ``qk`` ``[..., C]`` (q and k side by side, e.g. ``[B, N, 2, C]`` with ``weight`` ``[2, C]``);
+    ``norm_eps`` None is the dtype's epsilon, as ``torch.nn.functional.rms_norm``.
+    """
+    if weight is None:
+        return F.relu(qk).add_(feature_eps)
+    return F.rms_norm(qk, qk.shape[-1:], eps=norm_eps).mul_(weight).relu_().add_(feature_eps)
+
+
+def feature_map_backward(grad: torch.Tensor, qk: torch.Tensor, weight: torch.Tensor | None,
+                         norm_eps: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gradients ``(qk, weight)`` of ``feature_map`` given the gradient of its output (``grad``, overwritten).
+
+    With ``x^ = x r``, ``r = (mean(x^2) + eps)^(-1/2)``, ``y = x^ w``: ``g_y = grad [y > 0]``,
+    ``g_w = sum g_y x^`` over every dim but the weight's, ``g_x = r (g_y w - x^ mean(g_y w x^))``.
+    """
+    if weight is None:
+        return grad.mul_(qk > 0), None
+    eps = torch.finfo(qk.dtype).eps if norm_eps is None else norm_eps
+    rstd = qk.square().mean(-1, keepdim=True).add_(eps).rsqrt_()
+    normed = qk * rstd  # x^
+    grad = grad.mul_(normed * weight > 0)  # g_y
+    grad_weight = (grad * normed).flatten(0, -weight.ndim - 1).sum(0)
+    grad = grad.mul_(weight)  # g_y w
+    mean = torch.linalg.vecdot(grad, normed).unsqueeze(-1).div_(qk.shape[-1])
+    return grad.sub_(normed.mul_(mean)).mul_(rstd), grad_weight
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How the heads are laid out for the op: token order (linear, parallel) or the block layout."""
+
+    num_heads: int
+    layout: BlockLayout | None  # None: linear attention (one block of all tokens) or the parallel form
+    parallel: bool
+
+    def arrange(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, N, C]`` -> ``[B, H, N, D]`` (parallel), ``[B, H, 1, N, D]`` (linear) or ``[B, H, M + G, T, D]``.
+
+        A contiguous copy, so that no matmul of the op copies its operands again.
+        """
+        x = x.unflatten(-1, (self.num_heads, -1)).transpose(1, 2)  # [B, H, N, D], a view
+        if self.layout is not None:
+            return self.layout.to_blocks(x)
+        x = x.contiguous()
+        return x if self.parallel else x.unsqueeze(2)
+
+    def tokens(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The inverse of ``arrange``: ``[B, N, C]``, written into ``out`` ``[B, N, C]`` if given."""
+        if self.layout is not None:
+            x = self.layout.from_blocks(x.permute(0, 2, 3, 1, 4), dim=1)  # [B, N, H, D]
+            return x.flatten(2) if out is None else out.copy_(x.flatten(2))
+        x = (x if self.parallel else x.squeeze(2)).transpose(1, 2)  # [B, N, H, D], a view
+        return x.flatten(2) if out is None else out.unflatten(-1, x.shape[-2:]).copy_(x)
+
+    def mask(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """0/1 ``[1, 1, M + G, T, 1]`` over the block slots, None where every slot holds a token."""
+        if self.layout is None or self.parallel or self.layout.evenly_divided:
+            return None
+        return self.layout.mask[None, None, :, :, None].to(dtype)
+
+
+def _prepare(qkv, q_weight, k_weight, mixing):
+    """fp32 (at least) ``[B, N, 3, C]`` view of qkv, the joined ``[2, C]`` norm weight and the mixing."""
+    dtype = torch.promote_types(qkv.dtype, torch.float32)
+    x = qkv.to(dtype).unflatten(-1, (3, -1))
+    weight = None if q_weight is None else torch.stack((q_weight, k_weight)).to(dtype)
+    return x, weight, None if mixing is None else mixing.to(dtype)
+
+
+class _QKVAttentionFunction(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, qkv, q_weight, k_weight, mixing, plan, norm_eps, feature_eps, eps):
+        ctx.save_for_backward(qkv, q_weight, k_weight, mixing)
+        ctx.plan, ctx.norm_eps, ctx.feature_eps, ctx.eps = plan, norm_eps, feature_eps, eps
+        x, weight, mixing = _prepare(qkv, q_weight, k_weight, mixing)
+        qk = feature_map(x[:, :, :2], weight, norm_eps, feature_eps)  # [B, N, 2, C]
+        q, k, v = plan.arrange(qk[:, :, 0]), plan.arrange(qk[:, :, 1]), plan.arrange(x[:, :, 2])
+        if plan.parallel:
+            out, _ = parallel_forward(q, k, v, mixing, eps, keep_scores=False)
+        else:
+            out, _ = blocks_forward(q, k, v, plan.mask(x.dtype), mixing, eps)
+        return plan.tokens(out).to(qkv.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        qkv, q_weight, k_weight, mixing_in = ctx.saved_tensors
+        plan, needs = ctx.plan, ctx.needs_input_grad
+        with _no_autocast(qkv.device.type):
+            x, weight, mixing = _prepare(qkv, q_weight, k_weight, mixing_in)
+            qk = feature_map(x[:, :, :2], weight, ctx.norm_eps, ctx.feature_eps)  # [B, N, 2, C]
+            q, k, v = plan.arrange(qk[:, :, 0]), plan.arrange(qk[:, :, 1]), plan.arrange(x[:, :, 2])
+            grad_out = plan.arrange(grad_out.to(x.dtype))
+            needs_op = (True, True, True, mixing is not None and needs[3])
+            if plan.parallel:
+                scores, attn, den = parallel_state(q, k, mixing, ctx.eps)
+                grads = parallel_backward(grad_out, q, k, v, mixing, scores, den, needs_op, attn=attn)
+            else:
+                mask = plan.mask(x.dtype)
+                if mask is not None:
+                    grad_out = grad_out * mask  # padding slots' outputs are not outputs
+                state = blocks_state(q, k, v, mask, mixing, ctx.eps)
+                grads = blocks_backward(grad_out, q, v, mask, mixing, state, needs_op)
+            grad_x = torch.empty_like(x)  # [B, N, 3, C]
+            for i in range(3):
+                plan.tokens(grads[i], out=grad_x[:, :, i])
+            _, grad_weight = feature_map_backward(grad_x[:, :, :2], x[:, :, :2], weight, ctx.norm_eps)  # in place
+        grad_q_weight = grad_k_weight = None
+        if grad_weight is not None:
+            grad_q_weight, grad_k_weight = grad_weight.to(q_weight.dtype).unbind(0)
+        grad_mixing = None if grads[3] is None else grads[3].to(mixing_in.dtype)
+        return grad_x.flatten(2).to(qkv.dtype), grad_q_weight, grad_k_weight, grad_mixing, None, None, None, None
+
+
+def qkv_attention(
+        qkv: torch.Tensor,
+        num_heads: int,
+        *,
+        q_weight: torch.Tensor | None = None,
+        k_weight: torch.Tensor | None = None,
+        norm_eps: float | None = 1e-6,
+        feature_eps: float = 1e-6,
+        eps: float = 1e-6,
+        mixing: torch.Tensor | None = None,
+        layout: BlockLayout | None = None,
+        parallel: bool = False,
+) -> torch.Tensor:
+    """Linear attention or MHLA (paper normalizer) from the qkv projection's output, keeping only ``qkv`` for backward.
+
+    Args:
+        qkv: ``[B, N, 3C]``, q, k and v side by side (``nn.Linear(C, 3C)``'s output), N tokens in
+            the order of ``layout`` (prefix tokens first, then the patch grid in raster order).
+        num_heads: H; the head dim is C / H.
+        q_weight, k_weight: ``[C]`` RMSNorm weights of q and k; None (both) for no q/k norm.
+        norm_eps: the RMSNorm epsilon; None is the dtype's epsilon.
+        feature_eps: the feature map's offset, ``phi(x) = ReLU(x) + feature_eps``.
+        eps: added to the denominator.
+        mixing: None for plain linear attention (one summary per head); W ``[M + G, M + G]`` over the
+            layout's blocks for MHLA (``MultiHeadLinearAttention.full_mixing``), or, with
+            ``parallel=True``, the token mixing ``W[b(t), b(s)]`` ``[N, N]``.
+        layout: the block layout of MHLA's block form (``mhla.blocks.block_layout``).
+        parallel: the N x N form (``mhla.ops.mhla_attention_parallel``).
+
+    Returns:
+        ``[B, N, C]`` in the dtype of ``qkv``; under autocast everything inside runs in fp32.
+    """
+    if qkv.ndim != 3 or qkv.shape[-1] % (3 * num_heads):
+        raise ValueError(f"qkv must be [B, N, 3C] with C divisible by num_heads={num_heads}, got {tuple(qkv.shape)}")
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("q_weight and k_weight go together: give both or neither")
+    num_tokens = qkv.shape[1]
+    if mixing is not None and not parallel and layout is None:
+        raise ValueError("MHLA's block form needs the block layout: give layout with mixing")
+    if parallel and (mixing is None or mixing.shape != (num_tokens, num_tokens)):
+        raise ValueError(f"parallel=True needs the token mixing [N, N] = [{num_tokens}, {num_tokens}], got "
+                         f"{None if mixing is None else tuple(mixing.shape)}")
+    if layout is not None and not parallel:
+        if layout.num_tokens != num_tokens:
+            raise ValueError(f"layout is for {layout.num_tokens} tokens, qkv has N={num_tokens}")
+        blocks = layout.num_blocks + layout.num_prefix_blocks
+        if mixing is None or mixing.shape != (blocks, blocks):
+            raise ValueError(f"mixing must be [M + G, M + G] = [{blocks}, {blocks}] for this layout, got "
+                             f"{None if mixing is None else tuple(mixing.shape)}")
+    plan = _Plan(num_heads, None if parallel else layout, parallel)
+    with _no_autocast(qkv.device.type):
+        return _QKVAttentionFunction.apply(qkv, q_weight, k_weight, mixing, plan, norm_eps, feature_eps, eps)
