@@ -281,8 +281,5 @@ class MultiHeadLinearAttention(LinearAttention):
             q, k, v = (layout.to_blocks(t) for t in self._features(qkv))  # [B, H, M, T, D]
             out = mhla_attention(q, k, v, mixing, normalizer="official", eps=self.eps)  # [B, H, M, T, D]
             return layout.from_blocks(out.permute(0, 2, 3, 1, 4), dim=1).flatten(2)  # [B, N, C]
-        parallel = self.uses_parallel_form(layout)
-        if parallel:
-            mixing = mixing[layout.block_ids[:, None], layout.block_ids[None, :]]  # [N, N]: W[b(t), b(s)]
-        return qkv_attention(qkv, self.num_heads, mixing=mixing, layout=layout, parallel=parallel,
-                             **self._fused_options())
+        return qkv_attention(qkv, self.num_heads, mixing=mixing, layout=layout,
+                             parallel=self.uses_parallel_form(layout), **self._fused_options())

@@ -68,7 +68,7 @@ class _Plan:
     """How the heads are laid out for the op: token order (linear, parallel) or the block layout."""
 
     num_heads: int
-    layout: BlockLayout | None  # None: linear attention (one block of all tokens) or the parallel form
+    layout: BlockLayout | None  # None: linear attention (one block of all tokens)
     parallel: bool
 
     def arrange(self, x: torch.Tensor) -> torch.Tensor:
@@ -77,18 +77,28 @@ class _Plan:
         A contiguous copy, so that no matmul of the op copies its operands again.
         """
         x = x.unflatten(-1, (self.num_heads, -1)).transpose(1, 2)  # [B, H, N, D], a view
-        if self.layout is not None:
+        if self.layout is not None and not self.parallel:
             return self.layout.to_blocks(x)
         x = x.contiguous()
         return x if self.parallel else x.unsqueeze(2)
 
     def tokens(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The inverse of ``arrange``: ``[B, N, C]``, written into ``out`` ``[B, N, C]`` if given."""
-        if self.layout is not None:
+        if self.layout is not None and not self.parallel:
             x = self.layout.from_blocks(x.permute(0, 2, 3, 1, 4), dim=1)  # [B, N, H, D]
             return x.flatten(2) if out is None else out.copy_(x.flatten(2))
         x = (x if self.parallel else x.squeeze(2)).transpose(1, 2)  # [B, N, H, D], a view
         return x.flatten(2) if out is None else out.unflatten(-1, x.shape[-2:]).copy_(x)
+
+    def token_mixing(self, mixing: torch.Tensor) -> torch.Tensor:
+        """W ``[M + G, M + G]`` -> ``W[b(t), b(s)]`` ``[N, N]``, the parallel form's mixing."""
+        ids = self.layout.block_ids
+        return mixing[ids[:, None], ids[None, :]]
+
+    def token_mixing_backward(self, grad: torch.Tensor, mixing: torch.Tensor) -> torch.Tensor:
+        """The gradient of W from that of ``token_mixing``: the sum over each block pair."""
+        ids = self.layout.block_ids
+        return torch.zeros_like(mixing).index_put_((ids[:, None], ids[None, :]), grad, accumulate=True)
 
     def mask(self, dtype: torch.dtype) -> torch.Tensor | None:
         """0/1 ``[1, 1, M + G, T, 1]`` over the block slots, None where every slot holds a token."""
@@ -115,7 +125,7 @@ class _QKVAttentionFunction(torch.autograd.Function):
         qk = feature_map(x[:, :, :2], weight, norm_eps, feature_eps)  # [B, N, 2, C]
         q, k, v = plan.arrange(qk[:, :, 0]), plan.arrange(qk[:, :, 1]), plan.arrange(x[:, :, 2])
         if plan.parallel:
-            out, _ = parallel_forward(q, k, v, mixing, eps, keep_scores=False)
+            out, _ = parallel_forward(q, k, v, plan.token_mixing(mixing), eps, keep_scores=False)
         else:
             out, _ = blocks_forward(q, k, v, plan.mask(x.dtype), mixing, eps)
         return plan.tokens(out).to(qkv.dtype)
@@ -131,8 +141,11 @@ class _QKVAttentionFunction(torch.autograd.Function):
             grad_out = plan.arrange(grad_out.to(x.dtype))
             needs_op = (True, True, True, mixing is not None and needs[3])
             if plan.parallel:
-                scores, attn, den = parallel_state(q, k, mixing, ctx.eps)
-                grads = parallel_backward(grad_out, q, k, v, mixing, scores, den, needs_op, attn=attn)
+                token_mixing = plan.token_mixing(mixing)
+                scores, attn, den = parallel_state(q, k, token_mixing, ctx.eps)
+                grads = parallel_backward(grad_out, q, k, v, token_mixing, scores, den, needs_op, attn=attn)
+                if needs_op[3]:
+                    grads = (*grads[:3], plan.token_mixing_backward(grads[3], mixing))
             else:
                 mask = plan.mask(x.dtype)
                 if mask is not None:
@@ -174,10 +187,9 @@ def qkv_attention(
         feature_eps: the feature map's offset, ``phi(x) = ReLU(x) + feature_eps``.
         eps: added to the denominator.
         mixing: None for plain linear attention (one summary per head); W ``[M + G, M + G]`` over the
-            layout's blocks for MHLA (``MultiHeadLinearAttention.full_mixing``), or, with
-            ``parallel=True``, the token mixing ``W[b(t), b(s)]`` ``[N, N]``.
-        layout: the block layout of MHLA's block form (``mhla.blocks.block_layout``).
-        parallel: the N x N form (``mhla.ops.mhla_attention_parallel``).
+            layout's blocks for MHLA (``MultiHeadLinearAttention.full_mixing``).
+        layout: MHLA's block layout (``mhla.blocks.block_layout``).
+        parallel: the N x N form (as ``mhla.ops.mhla_attention_parallel``) instead of the block form.
 
     Returns:
         ``[B, N, C]`` in the dtype of ``qkv``; under autocast everything inside runs in fp32.
@@ -187,18 +199,17 @@ def qkv_attention(
     if (q_weight is None) != (k_weight is None):
         raise ValueError("q_weight and k_weight go together: give both or neither")
     num_tokens = qkv.shape[1]
-    if mixing is not None and not parallel and layout is None:
-        raise ValueError("MHLA's block form needs the block layout: give layout with mixing")
-    if parallel and (mixing is None or mixing.shape != (num_tokens, num_tokens)):
-        raise ValueError(f"parallel=True needs the token mixing [N, N] = [{num_tokens}, {num_tokens}], got "
-                         f"{None if mixing is None else tuple(mixing.shape)}")
-    if layout is not None and not parallel:
+    if (mixing is None) != (layout is None):
+        raise ValueError("MHLA needs both mixing and layout (plain linear attention neither)")
+    if parallel and layout is None:
+        raise ValueError("parallel=True is a form of MHLA: give mixing and layout")
+    if layout is not None:
         if layout.num_tokens != num_tokens:
             raise ValueError(f"layout is for {layout.num_tokens} tokens, qkv has N={num_tokens}")
         blocks = layout.num_blocks + layout.num_prefix_blocks
         if mixing is None or mixing.shape != (blocks, blocks):
             raise ValueError(f"mixing must be [M + G, M + G] = [{blocks}, {blocks}] for this layout, got "
                              f"{None if mixing is None else tuple(mixing.shape)}")
-    plan = _Plan(num_heads, None if parallel else layout, parallel)
+    plan = _Plan(num_heads, layout, parallel)
     with _no_autocast(qkv.device.type):
         return _QKVAttentionFunction.apply(qkv, q_weight, k_weight, mixing, plan, norm_eps, feature_eps, eps)

@@ -6,7 +6,9 @@
 For each model and resolution: inference (forward, no grad) and training (forward, cross-entropy,
 backward, AdamW step) time per batch and images per second, medians of interleaved rounds (all
 models of a resolution timed in one process), and the peak memory of each in a fresh process
-(``mhla.benchmark.peak_memory``); parameters and GMACs; then the ratios that say whether MHLA is
+(``mhla.benchmark.peak_memory``); what a training forward keeps for backward (whole model, MiB; one
+attention layer, floats per token in units of C: SDPA keeps q, k, v, the output and a log-sum-exp,
+about 5 C with the layer's input); parameters and GMACs; then the ratios that say whether MHLA is
 worth it (MHLA against linear and softmax attention of the same size, and against timm's own
 DeiT-T), each beside its target. Writes ``<out-dir>/benchmark.{csv,json,md}`` and ``throughput.png``.
 """
@@ -106,6 +108,25 @@ def measure_memory(args, name: str, size: int, mode: str) -> float:
     return bench.peak_memory_in_worker(cmd, f"{name} {size}px {mode}")
 
 
+def measure_kept(args, name: str, size: int) -> tuple[float, float]:
+    """What a training forward keeps for backward: MiB for the whole model, and floats per token (in units of
+    C) for one attention layer (``mhla.benchmark.saved_bytes``)."""
+    model = timm.create_model(name, img_size=size).to(args.device)
+    x = torch.randn(args.batch_size, 3, size, size, device=args.device)
+    autocast = (torch.autocast(x.device.type, dtype=DTYPES[args.dtype]) if DTYPES[args.dtype]
+                else contextlib.nullcontext())
+
+    def forward():
+        with autocast:
+            return model(x).sum()
+
+    attn = model.blocks[len(model.blocks) // 2].attn
+    whole = bench.saved_bytes(forward, exclude=model.parameters())
+    layer = bench.saved_bytes(forward, exclude=model.parameters(), within=attn)
+    tokens = model.patch_embed.num_patches + model.num_prefix_tokens
+    return whole / 2 ** 20, layer / (args.batch_size * tokens * model.embed_dim * 4)
+
+
 def measure_times(args, size: int) -> dict:
     """Median time (ms) and spread (%) per (model, mode) at ``size``, all timed in interleaved rounds."""
     calls = {(name, mode): build_call(name, size, mode, args) for name in args.models for mode in MODES}
@@ -117,8 +138,9 @@ def ratios(rows: list[dict]) -> list[dict]:
 
     Per model size (tiny, small) and resolution: MHLA / linear step time (target <= 1.15; against
     ``*_linear_lepe``, the same network with one block, so the ratio is the cost of the blocks), softmax /
-    MHLA step time (the speed-up; target >= 4 at 1024 px) and MHLA / softmax training peak memory
-    (target <= 1/3 at 1024 px); at 224 px, MHLA-T / timm's DeiT-T inference throughput (target >= 0.9).
+    MHLA step time (the speed-up; target >= 4 at 1024 px), MHLA / softmax and linear / softmax training
+    peak memory (target <= 1, and <= 1/3 for MHLA at 1024 px); at 224 px, MHLA-T / timm's DeiT-T
+    inference and training throughput (target >= 0.95).
     """
     by_key = {(r["model"], r["img_size"], r["mode"]): r for r in rows}
     out = []
@@ -138,13 +160,16 @@ def ratios(rows: list[dict]) -> list[dict]:
                 if m and soft:
                     add(f"{softmax} / {mhla} step time (speed-up)", size, mode, soft["step_ms"] / m["step_ms"],
                         4.0 if size == HIGH_RES else None, ">=")
-                if m and soft and mode == "train":
-                    add(f"{mhla} / {softmax} peak memory", size, mode, m["peak_mib"] / soft["peak_mib"],
-                        1 / 3 if size == HIGH_RES else None, "<=")
-        m, timm_deit = by_key.get(("deit_tiny_mhla", size, "inference")), by_key.get((TIMM_DEIT, size, "inference"))
-        if m and timm_deit:
-            add(f"deit_tiny_mhla / {TIMM_DEIT} throughput", size, "inference",
-                m["img_per_s"] / timm_deit["img_per_s"], 0.9 if size == 224 else None, ">=")
+            for name in (mhla, linear, f"deit_{family}_linear"):
+                m, soft = by_key.get((name, size, "train")), by_key.get((softmax, size, "train"))
+                if m and soft:
+                    add(f"{name} / {softmax} peak memory", size, "train", m["peak_mib"] / soft["peak_mib"],
+                        1 / 3 if size == HIGH_RES and name == mhla else 1.0, "<=")
+        for mode in MODES:
+            m, timm_deit = by_key.get(("deit_tiny_mhla", size, mode)), by_key.get((TIMM_DEIT, size, mode))
+            if m and timm_deit:
+                add(f"deit_tiny_mhla / {TIMM_DEIT} throughput", size, mode,
+                    m["img_per_s"] / timm_deit["img_per_s"], 0.95 if size == 224 else None, ">=")
     return out
 
 
@@ -161,12 +186,14 @@ def main(argv=None) -> int:
         for name in args.models:
             model = timm.create_model(name, img_size=size).eval()
             params, gmacs = sum(p.numel() for p in model.parameters()) / 1e6, count_macs(model, (3, size, size)) / 1e9
+            kept_mib, attn_kept_c = measure_kept(args, name, size)
             for mode in MODES:
                 ms, spread = times[(name, mode)]
                 rows.append(dict(model=name, img_size=size, mode=mode, batch_size=args.batch_size, dtype=args.dtype,
                                  compile=args.compile, step_ms=ms, spread_pct=spread,
                                  img_per_s=args.batch_size * 1e3 / ms,
-                                 peak_mib=measure_memory(args, name, size, mode), params_m=params, gmacs=gmacs))
+                                 peak_mib=measure_memory(args, name, size, mode), params_m=params, gmacs=gmacs,
+                                 kept_mib=kept_mib, attn_kept_c=attn_kept_c))
                 print(f"{name:>24} {size:>5}px {mode:<9} {ms:10.1f} ms {rows[-1]['img_per_s']:9.1f} img/s "
                       f"{rows[-1]['peak_mib']:9.1f} MiB", file=sys.stderr)
     with open(args.out_dir / "benchmark.csv", "w", newline="") as f:
@@ -178,14 +205,16 @@ def main(argv=None) -> int:
     lines = [f"{args.device}, {args.dtype}, batch {args.batch_size}, {torch.get_num_threads()} threads, "
              f"torch {torch.__version__}{', compiled' if args.compile else ''}", "",
              "| model | px | params (M) | GMACs | inference img/s | train img/s | train step ms (spread) | "
-             "inference MiB | train MiB |", "|---|---|---|---|---|---|---|---|---|"]
+             "inference MiB | train MiB | kept MiB | attention kept / token |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     by_key = {(r["model"], r["img_size"], r["mode"]): r for r in rows}
     for size in args.img_sizes:
         for name in args.models:
             inf, train = by_key[(name, size, "inference")], by_key[(name, size, "train")]
             lines.append(f"| {name} | {size} | {inf['params_m']:.2f} | {inf['gmacs']:.2f} | {inf['img_per_s']:.1f} | "
                          f"{train['img_per_s']:.1f} | {train['step_ms']:.1f} ({train['spread_pct']:.0f}%) | "
-                         f"{inf['peak_mib']:.0f} | {train['peak_mib']:.0f} |")
+                         f"{inf['peak_mib']:.0f} | {train['peak_mib']:.0f} | {train['kept_mib']:.0f} | "
+                         f"{train['attn_kept_c']:.2f} C |")
     if found:
         lines += ["", "| ratio | px | mode | value | target | met |", "|---|---|---|---|---|---|"]
         for r in found:

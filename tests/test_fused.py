@@ -51,14 +51,9 @@ def test_mhla_from_qkv(grid, block_grid, num_prefix_tokens, parallel, qk_norm):
     layout = block_layout(grid, block_grid, num_prefix_tokens=num_prefix_tokens)
     blocks = layout.num_blocks + layout.num_prefix_blocks
     qkv, (wq, wk), mixing = inputs(layout.num_tokens, blocks, qk_norm)
-    ids = layout.block_ids
-    opts = dict(q_weight=wq, k_weight=wk, norm_eps=1e-6, feature_eps=1e-6, eps=1e-6)
-
-    def fused():
-        mix = mixing[ids[:, None], ids[None, :]] if parallel else mixing
-        return qkv_attention(qkv, H, mixing=mix, layout=layout, parallel=parallel, **opts)
-
-    check(fused, lambda: naive_qkv_attention(qkv, H, mixing=mixing, block_ids=ids, **opts),
+    opts = dict(q_weight=wq, k_weight=wk, norm_eps=1e-6, feature_eps=1e-6, eps=1e-6, mixing=mixing)
+    check(lambda: qkv_attention(qkv, H, layout=layout, parallel=parallel, **opts),
+          lambda: naive_qkv_attention(qkv, H, block_ids=layout.block_ids, **opts),
           [qkv, mixing] + ([wq, wk] if qk_norm else []))
 
 
@@ -99,8 +94,8 @@ def test_autocast_runs_inside_in_fp32_and_returns_the_input_dtype():
 @pytest.mark.parametrize("kwargs,shape,match", [
     (dict(), (2, 10, 25), r"qkv must be \[B, N, 3C\] with C divisible by num_heads=3"),
     (dict(q_weight=torch.ones(C)), (2, 10, 3 * C), "q_weight and k_weight go together"),
-    (dict(mixing=torch.ones(4, 4)), (2, 36, 3 * C), "block form needs the block layout"),
-    (dict(mixing=torch.ones(4, 4), parallel=True), (2, 36, 3 * C), r"token mixing \[N, N\] = \[36, 36\]"),
+    (dict(mixing=torch.ones(4, 4)), (2, 36, 3 * C), "MHLA needs both mixing and layout"),
+    (dict(parallel=True), (2, 36, 3 * C), "parallel=True is a form of MHLA"),
     (dict(mixing=torch.ones(5, 5), layout=block_layout((6, 6), (2, 2))), (2, 36, 3 * C),
      r"mixing must be \[M \+ G, M \+ G\] = \[4, 4\]"),
     (dict(mixing=torch.ones(4, 4), layout=block_layout((6, 6), (2, 2))), (2, 35, 3 * C), "layout is for 36 tokens"),
