@@ -85,14 +85,21 @@ class BlockLayout:
         x = x.index_select(dim, self.index)
         return x.unflatten(dim, (self.num_blocks + self.num_prefix_blocks, self.block_size))
 
-    def from_blocks(self, x: torch.Tensor, dim: int = -3) -> torch.Tensor:
-        """``[..., M + G, T, ...]`` block-major along ``dim, dim + 1`` -> ``[..., N, ...]`` tokens (a copy)."""
+    def from_blocks(self, x: torch.Tensor, dim: int = -3, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``[..., M + G, T, ...]`` block-major along ``dim, dim + 1`` -> ``[..., N, ...]`` tokens (a copy).
+
+        ``out``: the ``[..., N, ...]`` tensor to write into (any strides) instead of a new one.
+        """
         dim = dim % x.ndim
         if self.is_regular:
             (gh, gw), (bh, bw) = self.grid_size, self.block_grid
             x = x.unflatten(dim + 1, (gh // bh, gw // bw)).unflatten(dim, (bh, bw)).transpose(dim + 1, dim + 2)
-            return x.flatten(dim, dim + 3)
-        return x.flatten(dim, dim + 1).index_select(dim, self.inverse)
+            if out is None:
+                return x.flatten(dim, dim + 3)
+            out.unflatten(dim, x.shape[dim:dim + 4]).copy_(x)  # [..., bh, th, bw, tw, ...], a view of out
+            return out
+        x = x.flatten(dim, dim + 1).index_select(dim, self.inverse)
+        return x if out is None else out.copy_(x)
 
 
 _LAYOUTS: dict[tuple, BlockLayout] = {}  # the one cache of layouts, keyed by every argument of block_layout

@@ -16,7 +16,6 @@ naive reference is ``mhla.naive.naive_qkv_attention``.
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from .blocks import BlockLayout
 from .ops import (
@@ -29,7 +28,14 @@ from .ops import (
     parallel_state,
 )
 
-__all__ = ["feature_map", "feature_map_backward", "qkv_attention"]
+__all__ = ["feature_map", "feature_map_vjp", "qkv_attention"]
+
+
+def _rstd(qk: torch.Tensor, norm_eps: float | None) -> torch.Tensor:
+    """``(mean(x^2) + eps)^(-1/2)`` over the last dim, ``[..., 1]`` (one pass: no ``x^2`` tensor)."""
+    eps = torch.finfo(qk.dtype).eps if norm_eps is None else norm_eps
+    mean_square = torch.linalg.vector_norm(qk, dim=-1, keepdim=True).square_().div_(qk.shape[-1])
+    return mean_square.add_(eps).rsqrt_()
 
 
 def feature_map(qk: torch.Tensor, weight: torch.Tensor | None, norm_eps: float | None,
@@ -37,30 +43,36 @@ def feature_map(qk: torch.Tensor, weight: torch.Tensor | None, norm_eps: float |
     """``ReLU(RMSNorm(x) * weight) + feature_eps`` over the last dim C; ``weight`` None: ``ReLU(x) + feature_eps``.
 
     ``qk`` ``[..., C]`` (q and k side by side, e.g. ``[B, N, 2, C]`` with ``weight`` ``[2, C]``);
-    ``norm_eps`` None is the dtype's epsilon, as ``torch.nn.functional.rms_norm``.
+    ``norm_eps`` None is the dtype's epsilon, as ``torch.nn.functional.rms_norm``. Computed as
+    ``max(x^ w + feature_eps, feature_eps)``, which is the same number, in three passes.
     """
     if weight is None:
-        return F.relu(qk).add_(feature_eps)
-    return F.rms_norm(qk, qk.shape[-1:], eps=norm_eps).mul_(weight).relu_().add_(feature_eps)
+        return qk.clamp_min(0).add_(feature_eps)
+    normed = qk * _rstd(qk, norm_eps)
+    return torch.addcmul(normed.new_tensor(feature_eps), normed, weight).clamp_min_(feature_eps)
 
 
-def feature_map_backward(grad: torch.Tensor, qk: torch.Tensor, weight: torch.Tensor | None,
-                         norm_eps: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Gradients ``(qk, weight)`` of ``feature_map`` given the gradient of its output (``grad``, overwritten).
+def feature_map_vjp(qk: torch.Tensor, weight: torch.Tensor | None, norm_eps: float | None, feature_eps: float):
+    """``feature_map``'s output, and a function from its gradient (overwritten) to the gradients ``(qk, weight)``.
 
     With ``x^ = x r``, ``r = (mean(x^2) + eps)^(-1/2)``, ``y = x^ w``: ``g_y = grad [y > 0]``,
-    ``g_w = sum g_y x^`` over every dim but the weight's, ``g_x = r (g_y w - x^ mean(g_y w x^))``.
+    ``g_w = sum g_y x^`` over every dim but the weight's, and with ``G = r g_y w``:
+    ``g_x = r (g_y w - x^ mean(g_y w x^)) = G - x^ mean(G x^)``.
     """
     if weight is None:
-        return grad.mul_(qk > 0), None
-    eps = torch.finfo(qk.dtype).eps if norm_eps is None else norm_eps
-    rstd = qk.square().mean(-1, keepdim=True).add_(eps).rsqrt_()
+        return qk.clamp_min(0).add_(feature_eps), lambda grad: (grad.mul_(qk > 0), None)
+    rstd = _rstd(qk, norm_eps)
     normed = qk * rstd  # x^
-    grad = grad.mul_(normed * weight > 0)  # g_y
-    grad_weight = (grad * normed).flatten(0, -weight.ndim - 1).sum(0)
-    grad = grad.mul_(weight)  # g_y w
-    mean = torch.linalg.vecdot(grad, normed).unsqueeze(-1).div_(qk.shape[-1])
-    return grad.sub_(normed.mul_(mean)).mul_(rstd), grad_weight
+    y = normed * weight
+
+    def backward(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        grad = grad.mul_(y > 0)  # g_y
+        grad_weight = (grad * normed).flatten(0, -weight.ndim - 1).sum(0)
+        grad = grad.mul_(weight).mul_(rstd)  # G
+        mean = torch.linalg.vecdot(grad, normed).unsqueeze_(-1).div_(qk.shape[-1])
+        return grad.addcmul_(normed, mean, value=-1), grad_weight
+
+    return y.clamp_min(0).add_(feature_eps), backward
 
 
 @dataclass(frozen=True)
@@ -85,8 +97,10 @@ class _Plan:
     def tokens(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The inverse of ``arrange``: ``[B, N, C]``, written into ``out`` ``[B, N, C]`` if given."""
         if self.layout is not None and not self.parallel:
-            x = self.layout.from_blocks(x.permute(0, 2, 3, 1, 4), dim=1)  # [B, N, H, D]
-            return x.flatten(2) if out is None else out.copy_(x.flatten(2))
+            x = x.permute(0, 2, 3, 1, 4)  # [B, M + G, T, H, D]
+            if out is None:
+                return self.layout.from_blocks(x, dim=1).flatten(2)
+            return self.layout.from_blocks(x, dim=1, out=out.unflatten(-1, x.shape[-2:])).flatten(2)
         x = (x if self.parallel else x.squeeze(2)).transpose(1, 2)  # [B, N, H, D], a view
         return x.flatten(2) if out is None else out.unflatten(-1, x.shape[-2:]).copy_(x)
 
@@ -136,7 +150,7 @@ class _QKVAttentionFunction(torch.autograd.Function):
         plan, needs = ctx.plan, ctx.needs_input_grad
         with _no_autocast(qkv.device.type):
             x, weight, mixing = _prepare(qkv, q_weight, k_weight, mixing_in)
-            qk = feature_map(x[:, :, :2], weight, ctx.norm_eps, ctx.feature_eps)  # [B, N, 2, C]
+            qk, qk_backward = feature_map_vjp(x[:, :, :2], weight, ctx.norm_eps, ctx.feature_eps)  # [B, N, 2, C]
             q, k, v = plan.arrange(qk[:, :, 0]), plan.arrange(qk[:, :, 1]), plan.arrange(x[:, :, 2])
             grad_out = plan.arrange(grad_out.to(x.dtype))
             needs_op = (True, True, True, mixing is not None and needs[3])
@@ -155,7 +169,7 @@ class _QKVAttentionFunction(torch.autograd.Function):
             grad_x = torch.empty_like(x)  # [B, N, 3, C]
             for i in range(3):
                 plan.tokens(grads[i], out=grad_x[:, :, i])
-            _, grad_weight = feature_map_backward(grad_x[:, :, :2], x[:, :, :2], weight, ctx.norm_eps)  # in place
+            _, grad_weight = qk_backward(grad_x[:, :, :2])  # in place
         grad_q_weight = grad_k_weight = None
         if grad_weight is not None:
             grad_q_weight, grad_k_weight = grad_weight.to(q_weight.dtype).unbind(0)
