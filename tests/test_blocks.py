@@ -82,7 +82,7 @@ def test_regular_layouts_reshape_to_the_same_order_as_the_gather(grid, block_gri
     blocks = layout.to_blocks(x)
     assert torch.equal(blocks, gathered)
     assert torch.equal(layout.from_blocks(blocks.permute(0, 2, 3, 1, 4), dim=1), x.transpose(1, 2))
-    out = torch.zeros(2, n, 4, 3, 5)[:, :, 1:]  # [B, N, H, D] with strides of a larger tensor
+    out = torch.zeros(2, n, 4, 5)[:, :, 1:]  # [B, N, H, D] with the strides of a larger tensor
     assert layout.from_blocks(blocks.permute(0, 2, 3, 1, 4), dim=1, out=out) is out
     assert torch.equal(out, x.transpose(1, 2))
 
