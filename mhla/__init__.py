@@ -1,8 +1,10 @@
 """MHLA: multi-head linear attention (token-level heads over spatial blocks) for vision transformers."""
 from .attention import LinearAttention, MultiHeadLinearAttention
 from .blocks import BlockLayout, block_layout
+from .fused import qkv_attention
 from .lepe import LePE
 from .mixing import MixingMatrix, mixing_init
+from .norm import RMSNorm, rms_norm
 from .ops import linear_attention, mhla_attention, mhla_attention_parallel
 
 __all__ = [
@@ -11,9 +13,12 @@ __all__ = [
     "LinearAttention",
     "MixingMatrix",
     "MultiHeadLinearAttention",
+    "RMSNorm",
     "block_layout",
     "linear_attention",
     "mhla_attention",
     "mhla_attention_parallel",
     "mixing_init",
+    "qkv_attention",
+    "rms_norm",
 ]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .blocks import BlockLayout
+from .norm import inverse_rms
 from .ops import (
     _no_autocast,
     blocks_backward,
@@ -31,13 +32,6 @@ from .ops import (
 __all__ = ["feature_map", "feature_map_vjp", "qkv_attention"]
 
 
-def _rstd(qk: torch.Tensor, norm_eps: float | None) -> torch.Tensor:
-    """``(mean(x^2) + eps)^(-1/2)`` over the last dim, ``[..., 1]`` (one pass: no ``x^2`` tensor)."""
-    eps = torch.finfo(qk.dtype).eps if norm_eps is None else norm_eps
-    mean_square = torch.linalg.vector_norm(qk, dim=-1, keepdim=True).square_().div_(qk.shape[-1])
-    return mean_square.add_(eps).rsqrt_()
-
-
 def feature_map(qk: torch.Tensor, weight: torch.Tensor | None, norm_eps: float | None,
                 feature_eps: float) -> torch.Tensor:
     """``ReLU(RMSNorm(x) * weight) + feature_eps`` over the last dim C; ``weight`` None: ``ReLU(x) + feature_eps``.
@@ -48,7 +42,7 @@ def feature_map(qk: torch.Tensor, weight: torch.Tensor | None, norm_eps: float |
     """
     if weight is None:
         return qk.clamp_min(0).add_(feature_eps)
-    normed = qk * _rstd(qk, norm_eps)
+    normed = qk * inverse_rms(qk, norm_eps)
     return torch.addcmul(normed.new_tensor(feature_eps), normed, weight).clamp_min_(feature_eps)
 
 
@@ -61,7 +55,7 @@ def feature_map_vjp(qk: torch.Tensor, weight: torch.Tensor | None, norm_eps: flo
     """
     if weight is None:
         return qk.clamp_min(0).add_(feature_eps), lambda grad: (grad.mul_(qk > 0), None)
-    rstd = _rstd(qk, norm_eps)
+    rstd = inverse_rms(qk, norm_eps)
     normed = qk * rstd  # x^
     y = normed * weight
 

@@ -30,7 +30,7 @@ from timm.layers import register_notrace_module, to_2tuple
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
-from mhla import LinearAttention, MultiHeadLinearAttention
+from mhla import LinearAttention, MultiHeadLinearAttention, RMSNorm
 
 __all__ = ["ATTENTION_OPTIONS", "MhlaVisionTransformer"]
 
@@ -40,10 +40,11 @@ MHLA_OPTIONS = ("block_grid", "block_mode", "transform", "mixing_norm", "mixing_
                 "constrain_mixing", "normalizer", "form")
 ATTENTION_OPTIONS = LINEAR_OPTIONS + MHLA_OPTIONS
 
-# torch.fx traces around the linear attentions (their token grid and block layout depend on shapes),
-# as timm's feature extraction and its FX tests expect of such layers.
+# torch.fx traces around the linear attentions (their token grid and block layout depend on shapes)
+# and the RMSNorm (a custom autograd function), as timm's feature extraction and its FX tests expect.
 register_notrace_module(LinearAttention)
 register_notrace_module(MultiHeadLinearAttention)
+register_notrace_module(RMSNorm)
 
 
 def _configured(attn_cls: type, **options) -> type:
@@ -164,7 +165,7 @@ _ATTENTION = {
     "mhla_official": dict(_MHLA, normalizer="official", mixing_norm="columns", input_norm=True, norm_eps=None,
                           constrain_mixing=False, img_pad_to=256),
     "linear": dict(attn_type="linear", qkv_bias=False, qk_norm=True, lepe_kernel=0, feature_eps=0.0,
-                   norm_layer="rmsnorm"),
+                   norm_layer=RMSNorm),
     "linear_lepe": dict(attn_type="linear", qkv_bias=False, qk_norm=True, lepe_kernel=5),
     "softmax": dict(attn_type="softmax", qkv_bias=True),
 }

@@ -13,7 +13,7 @@ from helpers import ROOT, load_script
 from timm.optim import create_optimizer_v2
 
 import models
-from mhla import LinearAttention, MultiHeadLinearAttention
+from mhla import LinearAttention, MultiHeadLinearAttention, RMSNorm
 from mhla.mixing import mixing_init
 
 MODELS = timm.list_models(module="deit_mhla")
@@ -62,7 +62,7 @@ def test_released_settings(name):
     assert model.cls_token is None and model.global_pool == "avg" and attn.head_dim == 64 and attn.qkv.bias is None
     if name.endswith("_linear"):  # the released linear baseline
         assert type(attn) is LinearAttention and attn.lepe is None and attn.feature_eps == 0 and attn.eps == 1e-6
-        assert isinstance(model.blocks[0].norm1, timm.layers.RmsNorm) and isinstance(model.fc_norm, timm.layers.RmsNorm)
+        assert isinstance(model.blocks[0].norm1, RMSNorm) and isinstance(model.fc_norm, RMSNorm)  # timm RmsNorm's math
         assert attn.q_norm.eps == 1e-6 and isinstance(attn.input_norm, torch.nn.Identity)
         return
     assert model.img_pad_to == 256 and model.patch_embed.grid_size == (16, 16) and attn.normalizer == "official"

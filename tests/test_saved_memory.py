@@ -29,7 +29,7 @@ def bound(model: torch.nn.Module, x: torch.Tensor) -> int:
 
 
 @pytest.mark.parametrize("img_size,batch", [(224, 2), (512, 1)])  # MHLA's parallel form at 224 px, blocks at 512
-@pytest.mark.parametrize("name", ["deit_tiny_mhla", "deit_tiny_linear_lepe"])
+@pytest.mark.parametrize("name", ["deit_tiny_mhla", "deit_tiny_linear_lepe", "deit_tiny_linear"])
 def test_a_training_forward_keeps_no_more_than_the_bound_and_softmax(name, img_size, batch):
     model, softmax = (timm.create_model(n, img_size=img_size) for n in (name, "deit_tiny_softmax"))
     x = torch.randn(batch, 3, img_size, img_size)
