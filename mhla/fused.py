@@ -29,7 +29,7 @@ from .ops import (
     parallel_state,
 )
 
-__all__ = ["feature_map", "feature_map_vjp", "qkv_attention"]
+__all__ = ["feature_map", "feature_map_backward", "qkv_attention"]
 
 
 def feature_map(qk: torch.Tensor, weight: torch.Tensor | None, norm_eps: float | None,
@@ -46,27 +46,25 @@ def feature_map(qk: torch.Tensor, weight: torch.Tensor | None, norm_eps: float |
     return torch.addcmul(normed.new_tensor(feature_eps), normed, weight).clamp_min_(feature_eps)
 
 
-def feature_map_vjp(qk: torch.Tensor, weight: torch.Tensor | None, norm_eps: float | None, feature_eps: float):
-    """``feature_map``'s output, and a function from its gradient (overwritten) to the gradients ``(qk, weight)``.
+def feature_map_backward(grad: torch.Tensor, qk: torch.Tensor, weight: torch.Tensor | None,
+                         norm_eps: float | None) -> torch.Tensor | None:
+    """The gradient of ``feature_map`` w.r.t. ``qk``, written into ``grad`` (its output's); returns the weight's.
 
     With ``x^ = x r``, ``r = (mean(x^2) + eps)^(-1/2)``, ``y = x^ w``: ``g_y = grad [y > 0]``,
     ``g_w = sum g_y x^`` over every dim but the weight's, and with ``G = r g_y w``:
-    ``g_x = r (g_y w - x^ mean(g_y w x^)) = G - x^ mean(G x^)``.
+    ``g_x = r (g_y w - x^ mean(g_y w x^)) = G - x^ mean(G x^)``. ``r`` and ``x^`` are recomputed.
     """
     if weight is None:
-        return qk.clamp_min(0).add_(feature_eps), lambda grad: (grad.mul_(qk > 0), None)
+        grad.mul_(qk > 0)
+        return None
     rstd = inverse_rms(qk, norm_eps)
     normed = qk * rstd  # x^
-    y = normed * weight
-
-    def backward(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        grad = grad.mul_(y > 0)  # g_y
-        grad_weight = (grad * normed).flatten(0, -weight.ndim - 1).sum(0)
-        grad = grad.mul_(weight).mul_(rstd)  # G
-        mean = torch.linalg.vecdot(grad, normed).unsqueeze_(-1).div_(qk.shape[-1])
-        return grad.addcmul_(normed, mean, value=-1), grad_weight
-
-    return y.clamp_min(0).add_(feature_eps), backward
+    grad.mul_(torch.mul(normed, weight) > 0)  # g_y
+    grad_weight = torch.linalg.vecdot(grad.flatten(0, -weight.ndim - 1), normed.flatten(0, -weight.ndim - 1), dim=0)
+    grad.mul_(weight).mul_(rstd)  # G
+    mean = torch.linalg.vecdot(grad, normed).unsqueeze_(-1).div_(qk.shape[-1])
+    grad.addcmul_(normed, mean, value=-1)
+    return grad_weight
 
 
 @dataclass(frozen=True)
@@ -123,52 +121,87 @@ def _prepare(qkv, q_weight, k_weight, mixing):
     return x, weight, None if mixing is None else mixing.to(dtype)
 
 
+def _features(plan: _Plan, x: torch.Tensor, weight: torch.Tensor | None, norm_eps: float | None,
+              feature_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k (feature-mapped) and v of ``x`` ``[B, N, 3, C]``, each arranged for the op (``_Plan.arrange``)."""
+    qk = feature_map(x[:, :, :2], weight, norm_eps, feature_eps)  # [B, N, 2, C]
+    return plan.arrange(qk[:, :, 0]), plan.arrange(qk[:, :, 1]), plan.arrange(x[:, :, 2])
+
+
 class _QKVAttentionFunction(torch.autograd.Function):
+    """The attention from ``qkv``, keeping ``qkv`` (and the small parameters) alone for backward.
+
+    The backward holds as few temporaries at once as it can: q, k, v arranged for the op, at most
+    three N x N tensors (parallel form) or the gradients, and it frees each as soon as it is used.
+    """
 
     @staticmethod
     def forward(ctx, qkv, q_weight, k_weight, mixing, plan, norm_eps, feature_eps, eps):
         ctx.save_for_backward(qkv, q_weight, k_weight, mixing)
         ctx.plan, ctx.norm_eps, ctx.feature_eps, ctx.eps = plan, norm_eps, feature_eps, eps
         x, weight, mixing = _prepare(qkv, q_weight, k_weight, mixing)
-        qk = feature_map(x[:, :, :2], weight, norm_eps, feature_eps)  # [B, N, 2, C]
-        q, k, v = plan.arrange(qk[:, :, 0]), plan.arrange(qk[:, :, 1]), plan.arrange(x[:, :, 2])
+        q, k, v = _features(plan, x, weight, norm_eps, feature_eps)
         if plan.parallel:
             out, _ = parallel_forward(q, k, v, plan.token_mixing(mixing), eps, keep_scores=False)
         else:
             out, _ = blocks_forward(q, k, v, plan.mask(x.dtype), mixing, eps)
+        del q, k, v
         return plan.tokens(out).to(qkv.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        qkv, q_weight, k_weight, mixing_in = ctx.saved_tensors
-        plan, needs = ctx.plan, ctx.needs_input_grad
+        qkv, q_weight, k_weight, mixing = ctx.saved_tensors
+        plan, eps, needs = ctx.plan, ctx.eps, ctx.needs_input_grad
+        needs_op = (True, True, True, mixing is not None and needs[3])
         with _no_autocast(qkv.device.type):
-            x, weight, mixing = _prepare(qkv, q_weight, k_weight, mixing_in)
-            qk, qk_backward = feature_map_vjp(x[:, :, :2], weight, ctx.norm_eps, ctx.feature_eps)  # [B, N, 2, C]
-            q, k, v = plan.arrange(qk[:, :, 0]), plan.arrange(qk[:, :, 1]), plan.arrange(x[:, :, 2])
-            grad_out = plan.arrange(grad_out.to(x.dtype))
-            needs_op = (True, True, True, mixing is not None and needs[3])
-            if plan.parallel:
-                token_mixing = plan.token_mixing(mixing)
-                scores, attn, den = parallel_state(q, k, token_mixing, ctx.eps)
-                grads = parallel_backward(grad_out, q, k, v, token_mixing, scores, den, needs_op, attn=attn)
-                if needs_op[3]:
-                    grads = (*grads[:3], plan.token_mixing_backward(grads[3], mixing))
-            else:
-                mask = plan.mask(x.dtype)
-                if mask is not None:
-                    grad_out = grad_out * mask  # padding slots' outputs are not outputs
-                state = blocks_state(q, k, v, mask, mixing, ctx.eps)
-                grads = blocks_backward(grad_out, q, v, mask, mixing, state, needs_op)
+            x, weight, mixing = _prepare(qkv, q_weight, k_weight, mixing)
+            token_mixing = plan.token_mixing(mixing) if plan.parallel else None
+            mask = plan.mask(x.dtype)
             grad_x = torch.empty_like(x)  # [B, N, 3, C]
-            for i in range(3):
-                plan.tokens(grads[i], out=grad_x[:, :, i])
-            _, grad_weight = qk_backward(grad_x[:, :, :2])  # in place
+            grad_weight = grad_mixing = None
+            for part in _chunks(plan, x.shape[0], x.shape[1], x.shape[-1]):
+                q, k, v = _features(plan, x[part], weight, ctx.norm_eps, ctx.feature_eps)
+                if plan.parallel:
+                    grads = list(parallel_backward(plan.arrange(grad_out[part].to(x.dtype)), q, k, v, token_mixing,
+                                                   *parallel_state(q, k, token_mixing, eps), needs_op, overwrite=True))
+                else:
+                    grads = list(blocks_backward(_masked(plan.arrange(grad_out[part].to(x.dtype)), mask), q, v, mask,
+                                                 mixing, blocks_state(q, k, v, mask, mixing, eps), needs_op))
+                del q, k, v
+                for i in range(3):
+                    plan.tokens(grads[i], out=grad_x[part, :, i])
+                    grads[i] = None
+                grad_weight = _add(grad_weight, feature_map_backward(grad_x[part, :, :2], x[part, :, :2], weight,
+                                                                     ctx.norm_eps))
+                grad_mixing = _add(grad_mixing, grads[3])
+            if plan.parallel and grad_mixing is not None:
+                grad_mixing = plan.token_mixing_backward(grad_mixing, mixing)
         grad_q_weight = grad_k_weight = None
         if grad_weight is not None:
             grad_q_weight, grad_k_weight = grad_weight.to(q_weight.dtype).unbind(0)
-        grad_mixing = None if grads[3] is None else grads[3].to(mixing_in.dtype)
+        grad_mixing = None if grad_mixing is None else grad_mixing.to(mixing.dtype)
         return grad_x.flatten(2).to(qkv.dtype), grad_q_weight, grad_k_weight, grad_mixing, None, None, None, None
+
+
+def _chunks(plan: _Plan, batch: int, tokens: int, dim: int) -> list[slice]:
+    """Slices of the batch that the backward takes one at a time, so that its temporaries stay small.
+
+    The parallel form: a chunk's N x N temporaries (three at most) no larger than one ``[B, N, C]``
+    tensor, so that a short sequence needs no more memory than a long one; the block form: a
+    quarter of the batch, so that the recomputed q, k, v and the op's gradients are a quarter of
+    their size.
+    """
+    size = max(1, batch * dim // (plan.num_heads * tokens)) if plan.parallel else -(-batch // 4)
+    return [slice(start, start + size) for start in range(0, batch, size)]
+
+
+def _masked(grad: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The output's gradient in block layout with the padding slots' zeroed (they are not outputs)."""
+    return grad if mask is None else grad.mul_(mask)
+
+
+def _add(total: torch.Tensor | None, part: torch.Tensor | None) -> torch.Tensor | None:
+    return part if total is None else total.add_(part)
 
 
 def qkv_attention(

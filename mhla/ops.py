@@ -69,15 +69,17 @@ def blocks_backward(grad_out, q, v, mask, mixing, state, needs_grad):
 
     A handful of batched matmuls where autograd would add copies and zero-filled buffers; the
     output itself is not needed: ``grad_out . o = q . (grad_num S~^T)`` comes from the matmul that
-    ``grad_q`` needs anyway.
+    ``grad_q`` needs anyway. No temporary of the tokens' size beyond the gradients themselves.
     """
     k, kv, z, kv_mixed, z_mixed, den = state
     grad_num = grad_out / den  # [..., M, T, Dv]
+    del grad_out
     grad_q = grad_num @ kv_mixed.transpose(-1, -2)  # [..., M, T, D], the numerator's part
-    grad_den = (q * grad_q).sum(-1, keepdim=True).div_(den).neg_()  # [..., M, T, 1]: -(grad_num . o)
-    grad_q = grad_q.add_(grad_den * z_mixed.transpose(-1, -2)) if needs_grad[0] else None
+    grad_den = torch.linalg.vecdot(q, grad_q).unsqueeze_(-1).div_(den).neg_()  # [..., M, T, 1]: -(grad_num . o)
+    grad_q = grad_q.addcmul_(grad_den, z_mixed.transpose(-1, -2)) if needs_grad[0] else None
     grad_kv = q.transpose(-1, -2) @ grad_num  # [..., M, D, Dv], w.r.t. kv_mixed
-    grad_z = (q * grad_den).sum(-2, keepdim=True).transpose(-1, -2)  # [..., M, D, 1], w.r.t. z_mixed
+    del grad_num
+    grad_z = q.transpose(-1, -2) @ grad_den  # [..., M, D, 1], w.r.t. z_mixed
     grad_mixing = None
     if mixing is not None:
         if needs_grad[3]:
@@ -112,19 +114,29 @@ def parallel_forward(q, k, v, token_mixing, eps, keep_scores=True):
     return (attn @ v).div_(den), (scores, den)
 
 
-def parallel_backward(grad_out, q, k, v, token_mixing, scores, den, needs_grad, attn=None):
+def parallel_backward(grad_out, q, k, v, token_mixing, scores, attn, den, needs_grad, overwrite=False):
     """Gradients ``(q, k, v, token_mixing)`` of ``parallel_forward`` (None where ``needs_grad`` says False).
 
-    A is rebuilt from the scores unless given (one elementwise product); ``grad_out . o`` comes
-    from ``grad_num V^T``, which the gradient of A needs anyway, so the output is not needed.
+    A (``attn``) is rebuilt from the scores if None (one elementwise product); ``grad_out . o`` comes
+    from ``grad_num V^T``, which the gradient of A needs anyway, so the output is not needed. At
+    most three N x N tensors live at once; ``overwrite=True`` lets it reuse the scores' memory. Pass
+    the tensors it may free (``grad_out``, ``scores``, ``attn``) without holding them, and each is
+    freed as soon as it is used.
     """
     attn = scores * token_mixing if attn is None else attn  # [..., N, N]
     grad_num = grad_out / den  # [..., N, Dv]
+    del grad_out
     grad_attn = grad_num @ v.transpose(-1, -2)  # [..., N, N], the numerator's part
-    grad_den = (attn * grad_attn).sum(-1, keepdim=True).div_(den).neg_()  # [..., N, 1]: -(grad_num . o)
+    grad_den = torch.linalg.vecdot(attn, grad_attn).unsqueeze_(-1).div_(den).neg_()  # [..., N, 1]: -(grad_num . o)
     grad_v = attn.transpose(-1, -2) @ grad_num if needs_grad[2] else None  # [..., N, Dv]
+    del attn, grad_num
     grad_attn = grad_attn.add_(grad_den)
-    grad_mixing = (grad_attn * scores).flatten(0, -3).sum(0) if needs_grad[3] else None  # [N, N]
+    grad_mixing = None
+    if needs_grad[3]:
+        product = scores.mul_(grad_attn) if overwrite else scores * grad_attn
+        grad_mixing = product.flatten(0, -3).sum(0)  # [N, N]
+        del product
+    del scores
     grad_scores = grad_attn.mul_(token_mixing)
     grad_q = grad_scores @ k if needs_grad[0] else None  # [..., N, D]
     grad_k = grad_scores.transpose(-1, -2) @ q if needs_grad[1] else None  # [..., N, D]
@@ -161,7 +173,7 @@ class _ParallelFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, token_mixing, scores, den = ctx.saved_tensors
-        return *parallel_backward(grad_out, q, k, v, token_mixing, scores, den, ctx.needs_input_grad[:4]), None
+        return *parallel_backward(grad_out, q, k, v, token_mixing, scores, None, den, ctx.needs_input_grad[:4]), None
 
 
 def _check_token_order(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
