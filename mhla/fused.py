@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .blocks import BlockLayout
-from .norm import inverse_rms
+from .norm import inverse_rms, rms_norm_backward_
 from .ops import (
     _no_autocast,
     blocks_backward,
@@ -50,21 +50,13 @@ def feature_map_backward(grad: torch.Tensor, qk: torch.Tensor, weight: torch.Ten
                          norm_eps: float | None) -> torch.Tensor | None:
     """The gradient of ``feature_map`` w.r.t. ``qk``, written into ``grad`` (its output's); returns the weight's.
 
-    With ``x^ = x r``, ``r = (mean(x^2) + eps)^(-1/2)``, ``y = x^ w``: ``g_y = grad [y > 0]``,
-    ``g_w = sum g_y x^`` over every dim but the weight's, and with ``G = r g_y w``:
-    ``g_x = r (g_y w - x^ mean(g_y w x^)) = G - x^ mean(G x^)``. ``r`` and ``x^`` are recomputed.
+    ReLU's gradient ``[x^ w > 0]`` (``[x w > 0]``: r > 0), then RMSNorm's (``mhla.norm.rms_norm_backward_``).
     """
     if weight is None:
         grad.mul_(qk > 0)
         return None
-    rstd = inverse_rms(qk, norm_eps)
-    normed = qk * rstd  # x^
-    grad.mul_(torch.mul(normed, weight) > 0)  # g_y
-    grad_weight = torch.linalg.vecdot(grad.flatten(0, -weight.ndim - 1), normed.flatten(0, -weight.ndim - 1), dim=0)
-    grad.mul_(weight).mul_(rstd)  # G
-    mean = torch.linalg.vecdot(grad, normed).unsqueeze_(-1).div_(qk.shape[-1])
-    grad.addcmul_(normed, mean, value=-1)
-    return grad_weight
+    grad.mul_(torch.mul(qk, weight) > 0)
+    return rms_norm_backward_(grad, qk, weight, norm_eps)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ released linear baseline normalises every block with RMSNorm; ``deit_*_linear`` 
 import torch
 from torch import nn
 
-__all__ = ["RMSNorm", "inverse_rms", "rms_norm"]
+__all__ = ["RMSNorm", "inverse_rms", "rms_norm", "rms_norm_backward_"]
 
 
 def inverse_rms(x: torch.Tensor, eps: float | None) -> torch.Tensor:
@@ -20,6 +20,26 @@ def inverse_rms(x: torch.Tensor, eps: float | None) -> torch.Tensor:
     eps = torch.finfo(x.dtype).eps if eps is None else eps
     mean_square = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(x.shape[-1])
     return mean_square.add_(eps).rsqrt_()
+
+
+def rms_norm_backward_(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
+                       eps: float | None) -> torch.Tensor | None:
+    """The gradient of RMSNorm w.r.t. ``x``, written into ``grad`` (its output's gradient); returns the weight's.
+
+    With ``x^ = x r``, ``r = (mean(x^2) + eps)^(-1/2)``: ``g_w = sum g x^`` over every dim but the
+    weight's, and with ``G = r g w``: ``g_x = r (g w - x^ mean(g w x^)) = G - x^ mean(G x^)``.
+    """
+    rstd = inverse_rms(x, eps)
+    normed = x * rstd  # x^
+    grad_weight = None
+    if weight is not None:
+        grad_weight = torch.linalg.vecdot(grad.flatten(0, -weight.ndim - 1), normed.flatten(0, -weight.ndim - 1),
+                                          dim=0)
+        grad.mul_(weight)
+    grad.mul_(rstd)  # G
+    mean = torch.linalg.vecdot(grad, normed).unsqueeze_(-1).div_(x.shape[-1])
+    grad.addcmul_(normed, mean, value=-1)
+    return grad_weight
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -34,15 +54,9 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        rstd = inverse_rms(x, ctx.eps)
-        normed = x * rstd  # x^
-        grad_weight = None
-        if weight is not None:
-            grad_weight = (grad * normed).flatten(0, -2).sum(0) if ctx.needs_input_grad[1] else None
-            grad = grad * weight
-        grad = grad * rstd  # G = r g w
-        mean = torch.linalg.vecdot(grad, normed).unsqueeze_(-1).div_(x.shape[-1])
-        return grad.addcmul_(normed, mean, value=-1), grad_weight, None  # G - x^ mean(G x^)
+        grad = grad.clone()
+        grad_weight = rms_norm_backward_(grad, x, weight, ctx.eps)
+        return grad, grad_weight if ctx.needs_input_grad[1] else None, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float | None = None) -> torch.Tensor:
