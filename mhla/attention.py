@@ -154,11 +154,7 @@ class LinearAttention(nn.Module):
             raise ValueError(f"{type(self).__name__} supports neither attn_mask nor is_causal")
         grid = self.token_grid(x.shape[1])
         qkv = self.qkv(self.input_norm(x))  # [B, N, 3C]
-        out = self._attend(qkv, grid)  # [B, N, C]
-        if self.lepe is not None:
-            prefix, dim = self.num_prefix_tokens, qkv.shape[-1] // 3
-            lepe = self.lepe(qkv[:, prefix:, 2 * dim:], grid)  # [B, N - P, C], from a view of v
-            out = out + (F.pad(lepe, (0, 0, prefix, 0)) if prefix else lepe)
+        out = self._attend(qkv, grid)  # [B, N, C], LePE included
         return self.proj_drop(self.proj(self.norm(out)))
 
     def split_heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -173,14 +169,16 @@ class LinearAttention(nn.Module):
         return self.split_heads(q), self.split_heads(k), self.split_heads(v)
 
     def _fused_options(self) -> dict:
-        """``qkv_attention``'s keywords for this module's feature map and denominator."""
+        """``qkv_attention``'s keywords for this module's feature map, denominator and LePE."""
         norm = isinstance(self.q_norm, nn.RMSNorm)
+        conv = None if self.lepe is None else self.lepe.conv
         return dict(q_weight=self.q_norm.weight if norm else None, k_weight=self.k_norm.weight if norm else None,
-                    norm_eps=self.q_norm.eps if norm else None, feature_eps=self.feature_eps, eps=self.eps)
+                    norm_eps=self.q_norm.eps if norm else None, feature_eps=self.feature_eps, eps=self.eps,
+                    lepe_weight=None if conv is None else conv.weight, lepe_bias=None if conv is None else conv.bias)
 
     def _attend(self, qkv: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-        """The qkv projection's output ``[B, N, 3C]`` -> the attention output ``[B, N, C]``."""
-        return qkv_attention(qkv, self.num_heads, **self._fused_options())
+        """The qkv projection's output ``[B, N, 3C]`` -> the attention output with LePE ``[B, N, C]``."""
+        return qkv_attention(qkv, self.num_heads, grid_size=grid, **self._fused_options())
 
 
 class MultiHeadLinearAttention(LinearAttention):
@@ -280,6 +278,9 @@ class MultiHeadLinearAttention(LinearAttention):
         if self.normalizer == "official":  # through autograd: for loading the released code's checkpoints
             q, k, v = (layout.to_blocks(t) for t in self._features(qkv))  # [B, H, M, T, D]
             out = mhla_attention(q, k, v, mixing, normalizer="official", eps=self.eps)  # [B, H, M, T, D]
-            return layout.from_blocks(out.permute(0, 2, 3, 1, 4), dim=1).flatten(2)  # [B, N, C]
+            out = layout.from_blocks(out.permute(0, 2, 3, 1, 4), dim=1).flatten(2)  # [B, N, C]
+            if self.lepe is not None:  # no prefix tokens with this normalizer
+                out = out + self.lepe(qkv[..., 2 * out.shape[-1]:], grid)  # from a view of v
+            return out
         return qkv_attention(qkv, self.num_heads, mixing=mixing, layout=layout,
                              parallel=self.uses_parallel_form(layout), **self._fused_options())

@@ -90,21 +90,31 @@ def naive_softmax_attention(q, k, v, *, scale=None):
 
 
 def naive_qkv_attention(qkv, num_heads, *, q_weight=None, k_weight=None, norm_eps=1e-6, feature_eps=1e-6, eps=1e-6,
-                        mixing=None, block_ids=None):
+                        mixing=None, block_ids=None, lepe_weight=None, lepe_bias=None, grid_size=None):
     """``mhla.fused.qkv_attention`` step by step: qkv ``[B, N, 3C]`` -> ``[B, N, C]``.
 
     q, k, v are split off, q and k go through RMSNorm (weights ``[C]``; none if None) and
     ``ReLU + feature_eps``, then per head (D = C / H) ``naive_linear_attention`` (``mixing`` None) or
-    ``naive_mhla_attention`` with W ``[M, M]`` and ``block_ids`` ``[N]``.
+    ``naive_mhla_attention`` with W ``[M, M]`` and ``block_ids`` ``[N]``; LePE (``lepe_weight``
+    ``[C, 1, k, k]``) adds the depthwise convolution of v over the ``grid_size`` patch grid (the last
+    gh * gw tokens).
     """
     q, k, v = qkv.chunk(3, dim=-1)  # [B, N, C] each
     if q_weight is not None:
         q = torch.nn.functional.rms_norm(q, q.shape[-1:], q_weight, norm_eps)
         k = torch.nn.functional.rms_norm(k, k.shape[-1:], k_weight, norm_eps)
-    q, k, v = (t.unflatten(-1, (num_heads, -1)).transpose(1, 2) for t in (q, k, v))  # [B, H, N, D]
+    q, k, vh = (t.unflatten(-1, (num_heads, -1)).transpose(1, 2) for t in (q, k, v))  # [B, H, N, D]
     q, k = torch.relu(q) + feature_eps, torch.relu(k) + feature_eps
     if mixing is None:
-        out = naive_linear_attention(q, k, v, eps=eps)
+        out = naive_linear_attention(q, k, vh, eps=eps)
     else:
-        out = naive_mhla_attention(q, k, v, mixing, block_ids, eps=eps)
-    return out.transpose(1, 2).flatten(2)
+        out = naive_mhla_attention(q, k, vh, mixing, block_ids, eps=eps)
+    out = out.transpose(1, 2).flatten(2)  # [B, N, C]
+    if lepe_weight is None:
+        return out
+    num_patches = grid_size[0] * grid_size[1]
+    image = v[:, -num_patches:].transpose(1, 2).unflatten(-1, grid_size)  # [B, C, gh, gw]
+    lepe = torch.nn.functional.conv2d(image, lepe_weight, lepe_bias, padding=lepe_weight.shape[-1] // 2,
+                                      groups=v.shape[-1])
+    lepe = lepe.flatten(2).transpose(1, 2)  # [B, gh * gw, C]
+    return torch.cat((out[:, :-num_patches], out[:, -num_patches:] + lepe), dim=1)

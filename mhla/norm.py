@@ -22,22 +22,20 @@ def inverse_rms(x: torch.Tensor, eps: float | None) -> torch.Tensor:
     return mean_square.add_(eps).rsqrt_()
 
 
-def rms_norm_backward_(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
-                       eps: float | None) -> torch.Tensor | None:
+def rms_norm_backward_(grad: torch.Tensor, normed: torch.Tensor, rstd: torch.Tensor,
+                       weight: torch.Tensor | None) -> torch.Tensor | None:
     """The gradient of RMSNorm w.r.t. ``x``, written into ``grad`` (its output's gradient); returns the weight's.
 
-    With ``x^ = x r``, ``r = (mean(x^2) + eps)^(-1/2)``: ``g_w = sum g x^`` over every dim but the
-    weight's, and with ``G = r g w``: ``g_x = r (g w - x^ mean(g w x^)) = G - x^ mean(G x^)``.
+    Given ``normed`` x^ = x r and ``rstd`` r = (mean(x^2) + eps)^(-1/2) (``inverse_rms``):
+    ``g_w = sum g x^`` over every dim but the weight's, and with ``G = r g w``:
+    ``g_x = r (g w - x^ mean(g w x^)) = G - x^ mean(G x^)``.
     """
-    rstd = inverse_rms(x, eps)
-    normed = x * rstd  # x^
     grad_weight = None
     if weight is not None:
-        grad_weight = torch.linalg.vecdot(grad.flatten(0, -weight.ndim - 1), normed.flatten(0, -weight.ndim - 1),
-                                          dim=0)
+        grad_weight = torch.mul(grad, normed).sum(tuple(range(grad.ndim - weight.ndim)))  # no copy of a strided grad
         grad.mul_(weight)
     grad.mul_(rstd)  # G
-    mean = torch.linalg.vecdot(grad, normed).unsqueeze_(-1).div_(x.shape[-1])
+    mean = torch.linalg.vecdot(grad, normed).unsqueeze_(-1).div_(normed.shape[-1])
     grad.addcmul_(normed, mean, value=-1)
     return grad_weight
 
@@ -55,7 +53,8 @@ class _RMSNormFunction(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         grad = grad.clone()
-        grad_weight = rms_norm_backward_(grad, x, weight, ctx.eps)
+        rstd = inverse_rms(x, ctx.eps)
+        grad_weight = rms_norm_backward_(grad, x * rstd, rstd, weight)
         return grad, grad_weight if ctx.needs_input_grad[1] else None, None
 
 

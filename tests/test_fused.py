@@ -57,6 +57,26 @@ def test_mhla_from_qkv(grid, block_grid, num_prefix_tokens, parallel, qk_norm):
           [qkv, mixing] + ([wq, wk] if qk_norm else []))
 
 
+@pytest.mark.parametrize("mhla,parallel,num_prefix_tokens,bias", [
+    (False, False, 0, True),
+    (False, False, 2, False),
+    (True, False, 1, True),   # unequal blocks and a prefix block
+    (True, True, 1, True),
+])
+def test_lepe_from_qkv(mhla, parallel, num_prefix_tokens, bias):
+    grid = (5, 7)
+    layout = block_layout(grid, (2, 2), num_prefix_tokens=num_prefix_tokens) if mhla else None
+    blocks = layout.num_blocks + layout.num_prefix_blocks if mhla else None
+    qkv, (wq, wk), mixing = inputs(num_prefix_tokens + 35, blocks, True)
+    weight = torch.randn(C, 1, 3, 3, dtype=qkv.dtype, requires_grad=True)
+    lepe_bias = torch.randn(C, dtype=qkv.dtype, requires_grad=True) if bias else None
+    opts = dict(q_weight=wq, k_weight=wk, mixing=mixing, lepe_weight=weight, lepe_bias=lepe_bias)
+    fused = dict(layout=layout, parallel=parallel) if mhla else dict(grid_size=grid)
+    check(lambda: qkv_attention(qkv, H, **fused, **opts),
+          lambda: naive_qkv_attention(qkv, H, block_ids=layout.block_ids if mhla else None, grid_size=grid, **opts),
+          [qkv, wq, wk, weight] + ([mixing] if mhla else []) + ([lepe_bias] if bias else []))
+
+
 def test_relu_at_zero_has_the_gradient_autograd_gives():
     qkv, _, _ = inputs(16, None, False)
     with torch.no_grad():
@@ -70,17 +90,21 @@ def test_only_the_qkv_tensor_is_kept_for_backward():
     x = torch.randn(2, 63, C)
     proj = torch.nn.Linear(C, 3 * C)
 
-    def forward():
-        return qkv_attention(proj(x), H, q_weight=wq, k_weight=wk, mixing=mixing, layout=layout)
+    lepe = torch.nn.Conv2d(C, C, 3, groups=C)
 
-    kept = saved_bytes(forward, exclude=[wq, wk, mixing, *proj.parameters()])
+    def forward():
+        return qkv_attention(proj(x), H, q_weight=wq, k_weight=wk, mixing=mixing, layout=layout,
+                             lepe_weight=lepe.weight, lepe_bias=lepe.bias)
+
+    kept = saved_bytes(forward, exclude=[wq, wk, mixing, *proj.parameters(), *lepe.parameters()])
     assert kept == x.nbytes + 2 * 63 * 3 * C * 4  # the projection's input (kept by nn.Linear) and qkv
 
 
 def test_autocast_runs_inside_in_fp32_and_returns_the_input_dtype():
     layout = block_layout((6, 6), (2, 2))
     qkv, (wq, wk), mixing = inputs(36, 4, True, dtype=torch.float32)
-    opts = dict(q_weight=wq, k_weight=wk, mixing=mixing, layout=layout)
+    lepe = torch.nn.Conv2d(C, C, 3, groups=C)
+    opts = dict(q_weight=wq, k_weight=wk, mixing=mixing, layout=layout, lepe_weight=lepe.weight, lepe_bias=lepe.bias)
     low = qkv.detach().bfloat16().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = qkv_attention(low, H, **opts)
@@ -89,6 +113,7 @@ def test_autocast_runs_inside_in_fp32_and_returns_the_input_dtype():
     assert rel_rms(out.float(), expected) < 1e-2
     out.float().sum().backward()
     assert low.grad.dtype == torch.bfloat16 and wq.grad.dtype == torch.float32 and mixing.grad.dtype == torch.float32
+    assert lepe.weight.grad.dtype == torch.float32 and lepe.bias.grad.dtype == torch.float32
 
 
 @pytest.mark.parametrize("kwargs,shape,match", [
@@ -98,6 +123,12 @@ def test_autocast_runs_inside_in_fp32_and_returns_the_input_dtype():
     (dict(parallel=True), (2, 36, 3 * C), "parallel=True is a form of MHLA"),
     (dict(mixing=torch.ones(5, 5), layout=block_layout((6, 6), (2, 2))), (2, 36, 3 * C),
      r"mixing must be \[M \+ G, M \+ G\] = \[4, 4\]"),
+    (dict(lepe_weight=torch.ones(C, 1, 4, 4), grid_size=(6, 6)), (2, 36, 3 * C),
+     r"lepe_weight must be \[C, 1, k, k\] with C=24 and k odd, got \(24, 1, 4, 4\)"),
+    (dict(lepe_weight=torch.ones(C, 1, 3, 3), lepe_bias=torch.ones(3), grid_size=(6, 6)), (2, 36, 3 * C),
+     r"lepe_bias must be \[C\] = \[24\]"),
+    (dict(lepe_weight=torch.ones(C, 1, 3, 3)), (2, 36, 3 * C), r"LePE needs the patch grid: grid_size=None for N=36"),
+    (dict(lepe_weight=torch.ones(C, 1, 3, 3), grid_size=(6, 7)), (2, 36, 3 * C), r"grid_size=\(6, 7\) for N=36"),
     (dict(mixing=torch.ones(4, 4), layout=block_layout((6, 6), (2, 2))), (2, 35, 3 * C), "layout is for 36 tokens"),
 ])
 def test_bad_inputs_are_named(kwargs, shape, match):
