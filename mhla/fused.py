@@ -116,7 +116,8 @@ class _Plan:
     def one_hot(self, dtype: torch.dtype) -> torch.Tensor:
         """E ``[N, M + G]``: ``E[t, j] = 1`` where token t is in block j."""
         layout = self.layout
-        return torch.nn.functional.one_hot(layout.block_ids, layout.num_blocks + layout.num_prefix_blocks).to(dtype)
+        blocks = torch.arange(layout.num_blocks + layout.num_prefix_blocks, device=layout.block_ids.device)
+        return (layout.block_ids[:, None] == blocks).to(dtype)  # not F.one_hot, which reads its input back from a GPU
 
     def mask(self, dtype: torch.dtype) -> torch.Tensor | None:
         """0/1 ``[1, 1, M + G, T, 1]`` over the block slots, None where every slot holds a token."""
@@ -180,7 +181,7 @@ class _QKVAttentionFunction(torch.autograd.Function):
             mask = plan.mask(x.dtype)
             grad_x = torch.empty_like(x)  # [B, N, 3, C]
             grad_weight = grad_mixing = None
-            for part in _chunks(plan, x.shape[0], x.shape[1], x.shape[-1]):
+            for part in _chunks(plan, x.shape[0], x.shape[1], x.shape[-1], x.device.type == "cpu"):
                 qk, state = feature_map_state(x[part, :, :2], weight, ctx.norm_eps, ctx.feature_eps)
                 q, k, v = plan.arrange(qk[:, :, 0]), plan.arrange(qk[:, :, 1]), plan.arrange(x[part, :, 2])
                 del qk
@@ -225,17 +226,20 @@ class _QKVAttentionFunction(torch.autograd.Function):
 _CACHE_ELEMENTS = 2 ** 18
 
 
-def _chunks(plan: _Plan, batch: int, tokens: int, dim: int) -> list[slice]:
+def _chunks(plan: _Plan, batch: int, tokens: int, dim: int, cpu: bool) -> list[slice]:
     """Slices of the batch that the backward takes one at a time, so that its temporaries stay small.
 
     The parallel form: a chunk's N x N temporaries (three at most) no larger than one ``[B, N, C]``
-    tensor, so that a short sequence needs no more memory than a long one, and than
-    ``_CACHE_ELEMENTS``; the block form: a quarter of the batch, so that the recomputed q, k, v and
-    the op's gradients are a quarter of their size.
+    tensor, so that a short sequence needs no more memory than a long one, and on a CPU than
+    ``_CACHE_ELEMENTS`` (a GPU, whose cache is not the point, runs large chunks better); the block
+    form: a quarter of the batch, so that the recomputed q, k, v and the op's gradients are a
+    quarter of their size.
     """
     if plan.parallel:
         per_sample = plan.num_heads * tokens
-        size = max(1, min(batch * dim // per_sample, _CACHE_ELEMENTS // (per_sample * tokens)))
+        size = max(1, batch * dim // per_sample)
+        if cpu:
+            size = max(1, min(size, _CACHE_ELEMENTS // (per_sample * tokens)))
     else:
         size = -(-batch // 4)
     return [slice(start, start + size) for start in range(0, batch, size)]

@@ -5,7 +5,7 @@ from helpers import rel_rms
 
 from mhla.benchmark import saved_bytes
 from mhla.blocks import block_layout
-from mhla.fused import qkv_attention
+from mhla.fused import _chunks, _Plan, qkv_attention
 from mhla.naive import naive_qkv_attention
 
 C, H = 24, 3
@@ -134,3 +134,12 @@ def test_autocast_runs_inside_in_fp32_and_returns_the_input_dtype():
 def test_bad_inputs_are_named(kwargs, shape, match):
     with pytest.raises(ValueError, match=match):
         qkv_attention(torch.randn(shape), H, **kwargs)
+
+
+def test_backward_chunks_cover_the_batch_and_are_cache_sized_on_cpu_only():
+    plan = _Plan(3, block_layout((14, 14), (4, 4), num_prefix_tokens=1), True, (14, 14))
+    cpu, gpu = (_chunks(plan, 128, 197, 192, cpu=device_is_cpu) for device_is_cpu in (True, False))
+    for chunks in (cpu, gpu):
+        assert torch.cat([torch.arange(128)[part] for part in chunks]).equal(torch.arange(128))
+    assert len(cpu) == 64  # 2 images: 2 x 3 x 197^2 floats <= 2^18
+    assert len(gpu) == 4  # 41 images: 41 x 3 x 197^2 floats ~ one [B, N, C] tensor; a GPU is slow in small pieces
