@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Subset
 
 import models  # noqa: F401  (registers the models)
 from mhla.training.checkpoint import CheckpointError, load_checkpoint
-from mhla.training.config import DATASETS, DEFAULTS, ConfigError, load_config
+from mhla.training.config import DATASETS, DEFAULTS, READER_PREFIXES, ConfigError, load_config
 from mhla.training.data import (
     AugmentedDataset,
     base_dataset,
@@ -74,13 +74,14 @@ def resolve(args) -> tuple[dict, dict]:
     model = resolve_model(checkpoint, args.model, args.model_kwargs, config)
     if config is not None:
         data = config["data"]
-        spec = dict(dataset=data["dataset"], root=data["root"], val_fraction=data["val_fraction"])
+        spec = dict(dataset=data["dataset"], root=data["root"], val_fraction=data["val_fraction"],
+                    split=data["val_split"])
     else:
         trained = checkpoint.get("config", {}).get("data", {})  # mnist5k: the split the run validated on
         same = trained.get("dataset") == args.dataset
         spec = dict(dataset=args.dataset, root=args.data_dir,
-                    val_fraction=trained["val_fraction"] if same else DEFAULTS["data"]["val_fraction"])
-    if spec["dataset"] != "mnist5k":
+                    val_fraction=trained["val_fraction"] if same else DEFAULTS["data"]["val_fraction"], split=None)
+    if spec["dataset"] != "mnist5k" and not spec["dataset"].lower().startswith(READER_PREFIXES):
         if spec["root"] is None:
             raise ConfigError("--data-dir is required for this dataset")
         if not Path(spec["root"]).is_dir():
@@ -94,7 +95,8 @@ def dataset_for(spec: dict, from_config: bool):
     root = Path(spec["root"]) if spec["root"] is not None else None
     if spec["dataset"] in ("imagenet", "imagefolder") and not from_config and not (root / "val").is_dir():
         return image_folder(root)
-    return base_dataset(spec["dataset"], root or ".", train=False, val_fraction=spec["val_fraction"])
+    return base_dataset(spec["dataset"], root or ".", train=False, val_fraction=spec["val_fraction"],
+                        split=spec["split"])
 
 
 def main(argv=None) -> int:
@@ -102,7 +104,7 @@ def main(argv=None) -> int:
     try:
         checkpoint, spec = resolve(args)
         dataset = dataset_for(spec, bool(args.config))
-    except (ConfigError, WeightsError, CheckpointError, FileNotFoundError, RuntimeError) as e:
+    except (ConfigError, WeightsError, CheckpointError, FileNotFoundError, ImportError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     info = init_distributed(args.device)

@@ -45,7 +45,7 @@ def make_image_folder(root: Path, classes: int = 3, train_per_class: int = 8, va
                 base = np.zeros((size, size, 3))
                 base[..., c % 3] = 160
                 pixels = np.clip(base + rng.normal(0, 40, base.shape), 0, 255).astype(np.uint8)
-                Image.fromarray(pixels).save(folder / f"{i}.jpg", quality=90)
+                Image.fromarray(pixels).save(folder / f"class_{c}_{i}.jpg", quality=90)  # named as ILSVRC: class first
     return root
 
 

@@ -47,7 +47,10 @@ def test_set_one_model_kwarg_keeps_the_others():
     ("optim:\n  lrr: 1\n", [], "unknown key 'optim.lrr' \\(from .*bad.yaml\\); did you mean 'optim.lr'\\?"),
     ("epochs: ten\n", [], "epochs: expected int, got str 'ten' \\(from .*bad.yaml\\)"),
     ("optim:\n  lr: -1\n", [], "optim.lr: -1 is out of range \\(must be > 0\\)"),
-    ("data:\n  dataset: imagenette\n", [], "data.dataset: 'imagenette' is not one of"),
+    ("data:\n  dataset: imagenette\n", [], "data.dataset: 'imagenette' is not one of .* nor a timm reader name "
+                                          "\\(hfds/NAME\\)"),
+    ("data:\n  prefetch_factor: 0\n", [], "data.prefetch_factor: 0 is out of range \\(must be >= 1\\)"),
+    ("data:\n  pin_memory: yes please\n", [], "data.pin_memory: expected bool"),
     ("ema:\n  enabled: 1\n", [], "ema.enabled: expected bool"),
     ("", ["optim.lr=abc"], "optim.lr: expected float, got str 'abc' \\(from --set\\)"),
     ("", ["optim"], "--set 'optim': expected key=value"),
@@ -62,7 +65,10 @@ def test_bad_values_name_the_key_and_the_file(tmp_path, content, overrides, matc
 
 @pytest.mark.parametrize("sections,overrides,match", [
     ({}, ["model.name=deit_tiny_mhlaa"], "model.name: unknown model 'deit_tiny_mhlaa' \\(from --set\\); did you mean"),
-    ({}, ["data.root=/nonexistent/imagenet"], "data.root: /nonexistent/imagenet/train is not a directory"),
+    ({}, ["data.root=/nonexistent/imagenet"], "data.root: /nonexistent/imagenet/train is neither a directory nor a "
+                                              "\\.tar"),
+    ({}, ["data.train_split=ILSVRC2012_img_train.tar"], "data.root: .*/ILSVRC2012_img_train.tar is neither a "
+                                                        "directory nor a \\.tar .*data.train_split naming one"),
     ({}, ["data.dataset=cifar10", "data.root=/nonexistent/cifar"], "set data.download: true"),
     ({}, ["optim.lrr=1"], "unknown key 'optim.lrr' \\(from --set\\); did you mean 'optim.lr'"),
     ({}, ["data.batch_size=6", "optim.accum_steps=4"], "data.batch_size: 6 is not divisible"),

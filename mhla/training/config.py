@@ -20,6 +20,8 @@ __all__ = ["DATASETS", "DEFAULTS", "ConfigError", "check_resources", "load_confi
            "parse_overrides", "validate", "where_set"]
 
 DATASETS = ("imagenet", "imagefolder", "cifar10", "cifar100", "mnist5k")
+# Prefixes of timm dataset names (``timm.data.create_reader``) that ``data.dataset`` may take: hfds/NAME.
+READER_PREFIXES = ("hfds/",)
 
 DEFAULTS: dict[str, Any] = {
     "run_name": None,  # default: the config file's name
@@ -36,11 +38,16 @@ DEFAULTS: dict[str, Any] = {
     "data": {
         "dataset": "imagenet",
         "root": "data/imagenet",
+        "train_split": None,  # default: train (a folder or tar under root; an hfds/ split)
+        "val_split": None,  # default: val (folder or tar), validation (hfds/)
         "download": False,  # torchvision datasets (cifar10, cifar100) only
         "img_size": 224,
         "batch_size": 1024,  # global: split over processes and accumulation steps
         "val_batch_size": None,  # global; default: batch_size
         "workers": 8,
+        "persistent_workers": True,  # keep the loader workers across epochs (with workers > 0)
+        "prefetch_factor": None,  # batches each worker loads ahead; default: PyTorch's (2)
+        "pin_memory": None,  # default: on CUDA
         "on_bad_image": "error",  # error | skip
         "val_fraction": 0.2,  # mnist5k only
     },
@@ -98,18 +105,19 @@ DEFAULTS: dict[str, Any] = {
 # Keys whose value is free-form (not checked key by key against the defaults).
 FREE_FORM = {"model.kwargs"}
 # Keys that may be None (null), with the type they take otherwise.
-OPTIONAL_TYPES = {"run_name": str, "data.val_batch_size": int, "optim.clip_grad": float, "aug.crop_pct": float,
-                  "aug.auto_augment": str, "log.wandb.entity": str}
+OPTIONAL_TYPES = {"run_name": str, "data.val_batch_size": int, "data.train_split": str, "data.val_split": str,
+                  "data.prefetch_factor": int, "data.pin_memory": bool, "optim.clip_grad": float, "aug.crop_pct": float,
+                  "aug.auto_augment": str, "log.wandb.entity": str, "model.init_from": str}
 CHOICES = {
     "device": ("auto", "cpu", "cuda"),
-    "data.dataset": DATASETS,
     "data.on_bad_image": ("error", "skip"),
     "amp.dtype": ("bfloat16", "float16"),
     "log.wandb.mode": ("online", "offline", "disabled"),
 }
 RANGES = {  # key: (low, high, low inclusive)
     "epochs": (1, None, True), "data.img_size": (1, None, True), "data.batch_size": (1, None, True),
-    "data.val_batch_size": (1, None, True), "data.workers": (0, None, True), "data.val_fraction": (0, 1, False),
+    "data.val_batch_size": (1, None, True), "data.workers": (0, None, True), "data.prefetch_factor": (1, None, True),
+    "data.val_fraction": (0, 1, False),
     "optim.lr": (0, None, False), "optim.weight_decay": (0, None, True), "optim.eps": (0, None, False),
     "optim.clip_grad": (0, None, False), "optim.accum_steps": (1, None, True), "sched.warmup_epochs": (0, None, True),
     "sched.warmup_lr": (0, None, True), "sched.min_lr": (0, None, True), "ema.decay": (0, 1, False),
@@ -249,10 +257,18 @@ def check_resources(config: dict) -> None:
                           f"{where_set('data.batch_size', sources)}")
     root = Path(data["root"])
     if data["dataset"] in ("imagenet", "imagefolder"):
-        for split in ("train", "val"):
-            if not (root / split).is_dir():
-                raise ConfigError(f"data.root: {root / split} is not a directory (expected ImageFolder layout "
-                                  f"root/train, root/val){where_set('data.root', sources)}")
+        for split, default in (("train", "train"), ("val", "val")):
+            path = root / (data[f"{split}_split"] or default)
+            if not (path.is_dir() or path.is_file() and path.suffix == ".tar"):
+                raise ConfigError(f"data.root: {path} is neither a directory nor a .tar (expected root/train and "
+                                  f"root/val, or data.{split}_split naming one){where_set('data.root', sources)}")
+    elif data["dataset"].lower().startswith(READER_PREFIXES):
+        from .data import reader_package
+
+        missing = reader_package(data["dataset"])
+        if missing:
+            raise ConfigError(f"data.dataset: {data['dataset']!r} needs the {missing[1]!r} package: pip install "
+                              f"{missing[1]}{where_set('data.dataset', sources)}")
     elif data["dataset"] in ("cifar10", "cifar100") and not data["download"] and not root.is_dir():
         raise ConfigError(f"data.root: {root} does not exist; set data.download: true to fetch "
                           f"{data['dataset']}{where_set('data.root', sources)}")
@@ -296,6 +312,10 @@ def validate(config: dict, sources: dict | None = None) -> None:
     """Check keys, types, choices and ranges against ``DEFAULTS``; raise ``ConfigError`` on the first problem."""
     sources = sources or {}
     _walk(config, DEFAULTS, sources)
+    dataset = config["data"]["dataset"]
+    if dataset not in DATASETS and not dataset.lower().startswith(READER_PREFIXES):
+        raise ConfigError(f"data.dataset: {dataset!r} is not one of {DATASETS} nor a timm reader name "
+                          f"({', '.join(p + 'NAME' for p in READER_PREFIXES)}){where_set('data.dataset', sources)}")
     for key in ("aug.scale", "optim.betas"):
         section, name = key.split(".")
         value = config[section][name]

@@ -141,13 +141,14 @@ class _Run:
         name = config["model"]["name"]
         data_cfg = resolve_data_config({}, pretrained_cfg=timm.get_pretrained_cfg(name).to_dict())
         train_set, val_set, num_classes = build_datasets(data, aug, data_cfg, config["seed"])
-        self.train_set = train_set
         world, accum = info.world_size, optim["accum_steps"]
         batch = micro_batch_size(config, world)
         val_batch = max(1, (data["val_batch_size"] or data["batch_size"]) // world)
         self.sampler = EpochSampler(len(train_set), batch, world, info.rank, config["seed"])
         loader_args = dict(num_workers=data["workers"], collate_fn=collate_skipping,
-                           pin_memory=info.device.type == "cuda")
+                           pin_memory=info.device.type == "cuda" if data["pin_memory"] is None else data["pin_memory"])
+        if data["workers"]:
+            loader_args.update(persistent_workers=data["persistent_workers"], prefetch_factor=data["prefetch_factor"])
         self.train_loader = DataLoader(train_set, batch_size=batch, sampler=self.sampler,
                                        generator=torch.Generator(), **loader_args)
         self.val_loader = DataLoader(Subset(val_set, shard_indices(len(val_set), world, info.rank)),
@@ -267,7 +268,6 @@ def run(config: dict, resume: str | None = None, argv: list[str] | None = None) 
     rows = []
     try:
         while trainer.state.epoch < config["epochs"]:
-            trainer.train_set.epoch = trainer.state.epoch
             trainer.sampler.set_epoch(trainer.state.epoch, start_batch=trainer.state.batch_in_epoch)
             start = time.perf_counter()
             train_one_epoch(
