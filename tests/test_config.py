@@ -3,6 +3,7 @@ import re
 
 import pytest
 import timm
+import torch
 import yaml
 from helpers import ROOT, make_image_folder, run_train, tiny_config
 
@@ -111,9 +112,17 @@ def test_missing_config_and_missing_resume(tmp_path):
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
-def test_every_shipped_config_builds(path):
-    """Each config's model, optimizer and scheduler build (on the meta device), its base chain merged."""
+def test_every_shipped_config_builds(path, tmp_path):
+    """Each config's model, optimizer and scheduler build (on the meta device), its base chain merged. A fine-tuning
+    config's ``model.init_from`` names another run's output, so here it takes a 224 px state dict of its own model,
+    which must fit (positions resampled, head dropped if the class count differs)."""
     config = load_config(path)
+    if config["model"]["init_from"] is not None:
+        source = {**config, "data": {**config["data"], "img_size": 224}}
+        with torch.device("meta"):
+            shapes = build_model(source, num_classes=1000).state_dict()
+        torch.save({k: torch.zeros(v.shape) for k, v in shapes.items()}, tmp_path / "source.pth")
+        config["model"]["init_from"] = str(tmp_path / "source.pth")
     check_buildable(config)
     assert config["model"]["name"] in timm.list_models(module="deit_mhla")
 

@@ -34,6 +34,7 @@ DEFAULTS: dict[str, Any] = {
         "name": "deit_tiny_mhla",
         "kwargs": {},  # passed to timm.create_model
         "drop_path": 0.1,
+        "init_from": None,  # a checkpoint to start from (mhla/training/finetune.py); ignored on resume
     },
     "data": {
         "dataset": "imagenet",
@@ -234,7 +235,8 @@ def _check_type(key: str, value: Any, default: Any, sources: dict) -> None:
 
 
 def check_resources(config: dict) -> None:
-    """What the values point at: a registered model, an existing data directory, a divisible batch.
+    """What the values point at: a registered model, an existing ``model.init_from`` file, an existing data
+    directory, a divisible batch.
 
     Call after the model registrations are imported (``import models``).
     """
@@ -246,6 +248,10 @@ def check_resources(config: dict) -> None:
         hint = difflib.get_close_matches(name, timm.list_models("deit_*"), n=1)
         suggestion = f"; did you mean {hint[0]!r}?" if hint else ""
         raise ConfigError(f"model.name: unknown model {name!r}{where_set('model.name', sources)}{suggestion}")
+    init_from = config["model"]["init_from"]
+    if init_from is not None and not Path(init_from).is_file():
+        raise ConfigError(f"model.init_from: checkpoint {init_from} does not exist"
+                          f"{where_set('model.init_from', sources)}")
     data = config["data"]
     world, accum = world_size(), config["optim"]["accum_steps"]
     if data["batch_size"] % (world * accum):

@@ -31,6 +31,7 @@ from .config import ConfigError, micro_batch_size, where_set
 from .data import EpochSampler, build_datasets, collate_skipping, shard_indices
 from .distributed import DistInfo, init_distributed
 from .engine import TrainState, evaluate, train_one_epoch
+from .finetune import init_state_dict, load_init_weights
 from .run_log import MetricsLog, start_wandb, write_run_info
 
 __all__ = ["build_model", "build_optimizer", "build_scheduler", "check_buildable", "resolve_resume", "run"]
@@ -98,8 +99,10 @@ def _config_error(key: str, sources: dict):
 def check_buildable(config: dict) -> None:
     """Build the model on the ``meta`` device (no memory, no work), its optimizer and its scheduler.
 
-    Raises ``ConfigError``: one line naming the key the problem is about and where it was set. Call
-    after ``check_resources`` (the model name is registered).
+    With ``model.init_from``, the file's weights are fitted to the model (read, positions resampled,
+    keys and shapes checked; nothing loaded). Raises ``ConfigError``: one line naming the key the problem
+    is about and where it was set. Call after ``check_resources`` (the model name is registered, the
+    ``model.init_from`` file exists).
     """
     sources, name = config.get("_sources", {}), config["model"]["name"]
     try:
@@ -108,6 +111,9 @@ def check_buildable(config: dict) -> None:
     except _BUILD_ERRORS as e:
         key = _model_key(_first_line(e), config)
         raise ConfigError(f"{key}: cannot build {name}: {_first_line(e)}{where_set(key, sources)}") from None
+    if config["model"]["init_from"] is not None:
+        with _config_error("model.init_from", sources):
+            init_state_dict(config["model"]["init_from"], model)
     with _config_error("optim.name", sources):
         optimizer = build_optimizer(model, config["optim"])
     with _config_error("sched.name", sources):
@@ -132,9 +138,13 @@ def _gather_rng(info: DistInfo) -> list:
 
 
 class _Run:
-    """The objects of one run and how to checkpoint them."""
+    """The objects of one run and how to checkpoint them.
 
-    def __init__(self, config: dict, info: DistInfo, run_dir: Path) -> None:
+    ``init_weights``: load ``model.init_from`` (when set) into the fresh model before the optimizer and
+    the EMA are built; False when resuming, whose checkpoint holds the weights.
+    """
+
+    def __init__(self, config: dict, info: DistInfo, run_dir: Path, init_weights: bool = True) -> None:
         self.config, self.info, self.run_dir = config, info, run_dir
         data, aug, optim = config["data"], config["aug"], config["optim"]
         _seed(config["seed"])
@@ -155,6 +165,10 @@ class _Run:
                                      batch_size=val_batch, shuffle=False, **loader_args)
 
         self.model = build_model(config, num_classes).to(info.device)
+        if init_weights and config["model"]["init_from"] is not None:
+            notices = load_init_weights(self.model, config["model"]["init_from"])
+            if info.is_main:
+                print("\n".join(f"note: model.init_from: {n}" for n in notices), file=sys.stderr, flush=True)
         self.optimizer = build_optimizer(self.model, optim)
         updates_per_epoch = max(1, math.ceil(self.sampler.batches_per_epoch / accum))  # a short last group updates too
         self.scheduler = build_scheduler(self.optimizer, config, updates_per_epoch)
@@ -259,7 +273,7 @@ def run(config: dict, resume: str | None = None, argv: list[str] | None = None) 
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_run_info(run_dir, config, argv or sys.argv)
-    trainer = _Run(config, info, run_dir)
+    trainer = _Run(config, info, run_dir, init_weights=checkpoint is None)
     if checkpoint is not None:
         trainer.load_state_dict(checkpoint)
     wandb_run = start_wandb(config, run_dir, trainer.state.wandb_id) if info.is_main else None
