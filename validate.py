@@ -81,6 +81,9 @@ def resolve(args) -> tuple[dict, dict]:
         same = trained.get("dataset") == args.dataset
         spec = dict(dataset=args.dataset, root=args.data_dir,
                     val_fraction=trained["val_fraction"] if same else DEFAULTS["data"]["val_fraction"], split=None)
+    if spec["dataset"].lower().startswith("wds/"):
+        raise ConfigError(f"data.dataset: validate.py reads datasets by index, not WebDataset shards "
+                          f"({spec['dataset']}); the training run's metrics hold their validation")
     if spec["dataset"] != "mnist5k" and not spec["dataset"].lower().startswith(READER_PREFIXES):
         if spec["root"] is None:
             raise ConfigError("--data-dir is required for this dataset")

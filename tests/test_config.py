@@ -49,7 +49,7 @@ def test_set_one_model_kwarg_keeps_the_others():
     ("epochs: ten\n", [], "epochs: expected int, got str 'ten' \\(from .*bad.yaml\\)"),
     ("optim:\n  lr: -1\n", [], "optim.lr: -1 is out of range \\(must be > 0\\)"),
     ("data:\n  dataset: imagenette\n", [], "data.dataset: 'imagenette' is not one of .* nor a timm reader name "
-                                          "\\(hfds/NAME\\)"),
+                                          "\\(hfds/NAME, wds/NAME\\)"),
     ("data:\n  prefetch_factor: 0\n", [], "data.prefetch_factor: 0 is out of range \\(must be >= 1\\)"),
     ("data:\n  pin_memory: yes please\n", [], "data.pin_memory: expected bool"),
     ("ema:\n  enabled: 1\n", [], "ema.enabled: expected bool"),

@@ -100,7 +100,11 @@ def test_errors(trained, tmp_path, capsys):
     other = tmp_path / "other.pth"
     torch.save(timm.create_model("deit_tiny_softmax", num_classes=3).state_dict(), other)
     base = ["--config", trained["config"], "--workers", 0]
+    shards = tmp_path / "shards.yaml"
+    shards.write_text(f"base: {trained['config']}\ndata:\n  dataset: wds/tiny\n")
     cases = [
+        (["--config", shards, "--checkpoint", trained["checkpoint"]],
+         "data.dataset: validate.py reads datasets by index, not WebDataset shards \\(wds/tiny\\)"),
         (base + ["--checkpoint", tmp_path / "missing.pth"], "--checkpoint: .*missing.pth does not exist"),
         (base + ["--checkpoint", corrupt], "checkpoint .*corrupt.pth cannot be read"),
         (["--model", "deit_tiny_nope", "--checkpoint", other, "--data-dir", trained["data"]],

@@ -20,8 +20,9 @@ __all__ = ["DATASETS", "DEFAULTS", "ConfigError", "check_resources", "load_confi
            "parse_overrides", "validate", "where_set"]
 
 DATASETS = ("imagenet", "imagefolder", "cifar10", "cifar100", "mnist5k")
-# Prefixes of timm dataset names (``timm.data.create_reader``) that ``data.dataset`` may take: hfds/NAME.
-READER_PREFIXES = ("hfds/",)
+# Prefixes of timm dataset names (``timm.data.create_reader``) that ``data.dataset`` may take: hfds/NAME (map-style),
+# wds/NAME (WebDataset shards, read as a stream: mhla/training/shards.py).
+READER_PREFIXES = ("hfds/", "wds/")
 
 DEFAULTS: dict[str, Any] = {
     "run_name": None,  # default: the config file's name
@@ -40,7 +41,8 @@ DEFAULTS: dict[str, Any] = {
         "dataset": "imagenet",
         "root": "data/imagenet",
         "train_split": None,  # default: train (a folder or tar under root; an hfds/ split)
-        "val_split": None,  # default: val (folder or tar), validation (hfds/)
+        "val_split": None,  # default: val (folder or tar), validation (hfds/, wds/)
+        "num_classes": None,  # default: the dataset's (wds/: _info.json's num_classes)
         "download": False,  # torchvision datasets (cifar10, cifar100) only
         "img_size": 224,
         "batch_size": 1024,  # global: split over processes and accumulation steps
@@ -107,8 +109,9 @@ DEFAULTS: dict[str, Any] = {
 FREE_FORM = {"model.kwargs"}
 # Keys that may be None (null), with the type they take otherwise.
 OPTIONAL_TYPES = {"run_name": str, "data.val_batch_size": int, "data.train_split": str, "data.val_split": str,
-                  "data.prefetch_factor": int, "data.pin_memory": bool, "optim.clip_grad": float, "aug.crop_pct": float,
-                  "aug.auto_augment": str, "log.wandb.entity": str, "model.init_from": str}
+                  "data.prefetch_factor": int, "data.pin_memory": bool, "data.num_classes": int,
+                  "optim.clip_grad": float, "aug.crop_pct": float, "aug.auto_augment": str, "log.wandb.entity": str,
+                  "model.init_from": str}
 CHOICES = {
     "device": ("auto", "cpu", "cuda"),
     "data.on_bad_image": ("error", "skip"),
@@ -118,6 +121,7 @@ CHOICES = {
 RANGES = {  # key: (low, high, low inclusive)
     "epochs": (1, None, True), "data.img_size": (1, None, True), "data.batch_size": (1, None, True),
     "data.val_batch_size": (1, None, True), "data.workers": (0, None, True), "data.prefetch_factor": (1, None, True),
+    "data.num_classes": (1, None, True),
     "data.val_fraction": (0, 1, False),
     "optim.lr": (0, None, False), "optim.weight_decay": (0, None, True), "optim.eps": (0, None, False),
     "optim.clip_grad": (0, None, False), "optim.accum_steps": (1, None, True), "sched.warmup_epochs": (0, None, True),
@@ -275,9 +279,24 @@ def check_resources(config: dict) -> None:
         if missing:
             raise ConfigError(f"data.dataset: {data['dataset']!r} needs the {missing[1]!r} package: pip install "
                               f"{missing[1]}{where_set('data.dataset', sources)}")
+        if data["dataset"].lower().startswith("wds/"):
+            _check_shards(root, data, sources)
     elif data["dataset"] in ("cifar10", "cifar100") and not data["download"] and not root.is_dir():
         raise ConfigError(f"data.root: {root} does not exist; set data.download: true to fetch "
                           f"{data['dataset']}{where_set('data.root', sources)}")
+
+
+def _check_shards(root: Path, data: dict, sources: dict) -> None:
+    """WebDataset shards: ``root`` a directory, and a class count (``data.num_classes`` or ``_info.json``'s)."""
+    if not root.is_dir():
+        raise ConfigError(f"data.root: {root} is not a directory (WebDataset shards and their _info.json)"
+                          f"{where_set('data.root', sources)}")
+    if data["num_classes"] is None:
+        from timm.data.readers.reader_wds import _load_info
+
+        if not _load_info(str(root)).get("num_classes"):
+            raise ConfigError(f"data.num_classes: the shards' info under {root} states no num_classes; set it"
+                              f"{where_set('data.dataset', sources)}")
 
 
 def micro_batch_size(config: dict, world: int) -> int:

@@ -27,7 +27,7 @@ __all__ = ["AugmentedDataset", "BadImageError", "EpochSampler", "MNIST5k", "Read
            "reader_package", "shard_indices", "train_transform"]
 
 # timm reader prefixes whose dataset needs an optional package: prefix -> (module, pip name).
-READER_PACKAGES = {"hfds": ("datasets", "datasets")}
+READER_PACKAGES = {"hfds": ("datasets", "datasets"), "wds": ("webdataset", "webdataset")}
 
 
 class BadImageError(RuntimeError):
@@ -290,4 +290,4 @@ def build_datasets(data: dict, aug: dict, model_cfg: dict, seed: int) -> tuple[D
     val_tf = eval_transform(data["img_size"], model_cfg, aug["crop_pct"], aug["interpolation"])
     skip = data["on_bad_image"] == "skip"
     return (AugmentedDataset(train, train_tf, seed, skip), AugmentedDataset(val, val_tf, seed, skip),
-            len(train.classes))
+            data["num_classes"] or len(train.classes))

@@ -7,6 +7,7 @@ registrations must be imported by the caller (``import models``), as ``train.py`
 import contextlib
 import dataclasses
 import functools
+import itertools
 import math
 import random
 import re
@@ -33,6 +34,7 @@ from .distributed import DistInfo, init_distributed
 from .engine import TrainState, evaluate, train_one_epoch
 from .finetune import init_state_dict, load_init_weights
 from .run_log import MetricsLog, start_wandb, write_run_info
+from .shards import shard_datasets
 
 __all__ = ["build_model", "build_optimizer", "build_scheduler", "check_buildable", "resolve_resume", "run"]
 
@@ -150,19 +152,29 @@ class _Run:
         _seed(config["seed"])
         name = config["model"]["name"]
         data_cfg = resolve_data_config({}, pretrained_cfg=timm.get_pretrained_cfg(name).to_dict())
-        train_set, val_set, num_classes = build_datasets(data, aug, data_cfg, config["seed"])
         world, accum = info.world_size, optim["accum_steps"]
         batch = micro_batch_size(config, world)
         val_batch = max(1, (data["val_batch_size"] or data["batch_size"]) // world)
-        self.sampler = EpochSampler(len(train_set), batch, world, info.rank, config["seed"])
         loader_args = dict(num_workers=data["workers"], collate_fn=collate_skipping,
                            pin_memory=info.device.type == "cuda" if data["pin_memory"] is None else data["pin_memory"])
         if data["workers"]:
             loader_args.update(persistent_workers=data["persistent_workers"], prefetch_factor=data["prefetch_factor"])
-        self.train_loader = DataLoader(train_set, batch_size=batch, sampler=self.sampler,
-                                       generator=torch.Generator(), **loader_args)
-        self.val_loader = DataLoader(Subset(val_set, shard_indices(len(val_set), world, info.rank)),
-                                     batch_size=val_batch, shuffle=False, **loader_args)
+        # The loader's generator seeds its workers; reseeded before every epoch (see ``epoch_loader``).
+        self.generator = torch.Generator()
+        if data["dataset"].lower().startswith("wds/"):  # a stream: it plans its own epochs (mhla/training/shards.py)
+            train_set, val_set, num_classes = shard_datasets(data, aug, data_cfg, config["seed"], batch, info.rank)
+            for stream in (train_set, val_set):
+                stream.set_loader_cfg(data["workers"])
+            self.sampler = train_set
+            self.train_loader = DataLoader(train_set, batch_size=batch, generator=self.generator, **loader_args)
+            self.val_loader = DataLoader(val_set, batch_size=val_batch, **loader_args)
+        else:
+            train_set, val_set, num_classes = build_datasets(data, aug, data_cfg, config["seed"])
+            self.sampler = EpochSampler(len(train_set), batch, world, info.rank, config["seed"])
+            self.train_loader = DataLoader(train_set, batch_size=batch, sampler=self.sampler,
+                                           generator=self.generator, **loader_args)
+            self.val_loader = DataLoader(Subset(val_set, shard_indices(len(val_set), world, info.rank)),
+                                         batch_size=val_batch, shuffle=False, **loader_args)
 
         self.model = build_model(config, num_classes).to(info.device)
         if init_weights and config["model"]["init_from"] is not None:
@@ -195,6 +207,12 @@ class _Run:
             self.train_model = torch.compile(self.train_model)
         self.state = TrainState()
         self.metrics = MetricsLog(run_dir)
+
+    def epoch_loader(self) -> "_Batches":
+        """The rest of the current epoch's training batches: from ``state.batch_in_epoch`` to the epoch's end."""
+        self.sampler.set_epoch(self.state.epoch, start_batch=self.state.batch_in_epoch)
+        self.generator.manual_seed(self.config["seed"])  # the same worker seeds every epoch, resumed or not
+        return _Batches(self.train_loader, self.sampler.batches_per_epoch - self.state.batch_in_epoch)
 
     def state_dict(self, rng: list) -> dict:
         return {
@@ -264,6 +282,19 @@ class _Run:
         return row
 
 
+class _Batches:
+    """The first ``count`` batches of ``loader``, with a length (a stream of shards yields a few more per epoch)."""
+
+    def __init__(self, loader: DataLoader, count: int) -> None:
+        self.loader, self.count = loader, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self):
+        return itertools.islice(iter(self.loader), self.count)
+
+
 def run(config: dict, resume: str | None = None, argv: list[str] | None = None) -> list[dict]:
     """Train as ``config`` says (validated by ``mhla.training.config``); returns the epoch metrics rows."""
     info = init_distributed(config["device"])
@@ -282,10 +313,10 @@ def run(config: dict, resume: str | None = None, argv: list[str] | None = None) 
     rows = []
     try:
         while trainer.state.epoch < config["epochs"]:
-            trainer.sampler.set_epoch(trainer.state.epoch, start_batch=trainer.state.batch_in_epoch)
+            loader = trainer.epoch_loader()
             start = time.perf_counter()
             train_one_epoch(
-                trainer.train_model, trainer.train_loader, trainer.optimizer, trainer.scheduler, trainer.criterion,
+                trainer.train_model, loader, trainer.optimizer, trainer.scheduler, trainer.criterion,
                 trainer.state, info, mixup=trainer.mixup, ema=trainer.ema, scaler=trainer.scaler,
                 autocast=trainer.autocast, accum_steps=config["optim"]["accum_steps"],
                 clip_grad=config["optim"]["clip_grad"], on_step=trainer.on_step,
