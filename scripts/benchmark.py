@@ -11,11 +11,13 @@ attention layer, floats per token in units of C: SDPA keeps q, k, v, the output 
 about 5 C with the layer's input); parameters and GMACs; then the ratios that say whether MHLA is
 worth it (MHLA against linear and softmax attention of the same size, and against timm's own
 DeiT-T), each beside its target. Writes ``<out-dir>/benchmark.{csv,json,md}`` and ``throughput.png``.
+``--no-memory`` leaves the peak memory out (NaN; a compiled model compiles again in each fresh process).
 """
 import argparse
 import contextlib
 import csv
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -46,6 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out-dir", type=Path, default=Path("outputs/benchmark"))
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--no-memory", action="store_true",
+                        help="skip the peak memory (one fresh process per model and mode, where a compiled model "
+                             "compiles again); peak_mib is NaN and the memory ratios are left out")
     parser.add_argument("--worker", nargs=3, metavar=("MODEL", "IMG_SIZE", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for name in args.models:
@@ -162,7 +167,7 @@ def ratios(rows: list[dict]) -> list[dict]:
                         4.0 if size == HIGH_RES else None, ">=")
             for name in (mhla, linear, f"deit_{family}_linear"):
                 m, soft = by_key.get((name, size, "train")), by_key.get((softmax, size, "train"))
-                if m and soft:
+                if m and soft and math.isfinite(m["peak_mib"]) and math.isfinite(soft["peak_mib"]):
                     add(f"{name} / {softmax} peak memory", size, "train", m["peak_mib"] / soft["peak_mib"],
                         1 / 3 if size == HIGH_RES and name == mhla else 1.0, "<=")
         for mode in MODES:
@@ -192,7 +197,8 @@ def main(argv=None) -> int:
                 rows.append(dict(model=name, img_size=size, mode=mode, batch_size=args.batch_size, dtype=args.dtype,
                                  compile=args.compile, step_ms=ms, spread_pct=spread,
                                  img_per_s=args.batch_size * 1e3 / ms,
-                                 peak_mib=measure_memory(args, name, size, mode), params_m=params, gmacs=gmacs,
+                                 peak_mib=math.nan if args.no_memory else measure_memory(args, name, size, mode),
+                                 params_m=params, gmacs=gmacs,
                                  kept_mib=kept_mib, attn_kept_c=attn_kept_c))
                 print(f"{name:>24} {size:>5}px {mode:<9} {ms:10.1f} ms {rows[-1]['img_per_s']:9.1f} img/s "
                       f"{rows[-1]['peak_mib']:9.1f} MiB", file=sys.stderr)

@@ -69,3 +69,24 @@ def test_bad_arguments(tmp_path):
         proc = subprocess.run([sys.executable, str(SCRIPT), *args, "--out-dir", str(tmp_path)], capture_output=True,
                               text=True, cwd=ROOT, timeout=120)
         assert proc.returncode == 2 and message in proc.stderr
+
+
+def test_no_memory_runs_no_memory_worker_and_leaves_the_memory_ratios_out(tmp_path, monkeypatch):
+    """``--no-memory`` (the GPU check's compiled runs, where each worker would compile again): NaN peaks."""
+    script = load_script("benchmark")
+    monkeypatch.setattr(script.bench, "keep_freed_memory", lambda: True)  # leave this process's allocator alone
+    monkeypatch.setattr(script, "measure_times",
+                        lambda args, size: {(name, mode): (10.0, 1.0) for name in args.models for mode in script.MODES})
+    monkeypatch.setattr(script, "measure_kept", lambda args, name, size: (1.0, 5.0))
+
+    def memory_worker(*args):
+        raise AssertionError("started a memory worker")
+
+    monkeypatch.setattr(script, "measure_memory", memory_worker)
+    assert script.main(["--models", "deit_tiny_softmax", "deit_tiny_mhla", "--img-sizes", "64", "--no-memory",
+                        "--no-plot", "--out-dir", str(tmp_path)]) == 0
+    with open(tmp_path / "benchmark.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 4 and all(row["peak_mib"] == "nan" for row in rows)
+    ratios = json.loads((tmp_path / "benchmark.json").read_text())["ratios"]
+    assert [r["ratio"] for r in ratios] == ["deit_tiny_softmax / deit_tiny_mhla step time (speed-up)"] * 2

@@ -1,0 +1,521 @@
+"""The GPU check: the environment, the CUDA tests and the bf16 benchmarks of the models and the op, in one report.
+
+    python scripts/gpu_check.py                          # on a GPU machine: ~7.5 min on one H200 (estimated)
+    python scripts/gpu_check.py --dry-run                # the environment and the plan; runs nothing
+    python scripts/gpu_check.py --smoke --device cpu     # every step with tiny settings (a few minutes on 2 cores)
+    python scripts/gpu_check.py --steps models-eager-1024 models-compiled-1024 --compile-sizes 224 1024
+
+Each step runs in a subprocess with a timeout, its output in ``<out-dir>/logs/<step>.log``: the CUDA-marked tests
+(``pytest -q -m cuda tests/``); ``scripts/benchmark_attention.py`` (SDPA, linear attention and MHLA at 196,
+1,024, 4,096 and 16,384 tokens, B = 8, H = 3, D = 64); ``scripts/benchmark.py`` at 224, 512, 1024 and 2048 px
+(timm's DeiT-T, our softmax DeiT-T, linear attention with LePE and MHLA; batch 256, 64, 16 and 4) and, compiled,
+at ``--compile-sizes`` (default 224 px: timm's DeiT-T and MHLA). A step that fails, runs out of memory or runs
+over its timeout (it is killed with its children) prints one line naming it, and the check goes on; the exit code
+is 1 if any step failed. ``--time-limit`` bounds the whole check: a step gets at most the time left, and a step
+with none left is not run (and fails). The steps run in order of importance: the tests, the op, the models at
+224 and 1024 px (the targets), compiled at 224 px, then 512 and 2048 px. A step first deletes its earlier output
+directory, and the report reads every result under ``--out-dir``, so ``--steps`` completes an earlier report.
+
+Writes ``--out`` (default ``<out-dir>/gpu_report.md``): the environment, the steps, the test result, the tables
+read from the benchmarks' CSV files and the issue's targets, each "met" or "not met": the op at 4,096 tokens
+>= 5x faster than SDPA (FlashAttention) forward + backward; ``deit_tiny_mhla`` at 224 px (compiled, batch 256)
+>= 0.9x the throughput of timm's DeiT-T; at 1024 px >= 3x faster than our softmax DeiT-T; MHLA / linear step
+time and the training peak memory against softmax's.
+"""
+import argparse
+import csv
+import math
+import os
+import platform
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ["deit_tiny_patch16_224", "deit_tiny_softmax", "deit_tiny_linear_lepe", "deit_tiny_mhla"]
+TIMM_DEIT, SOFTMAX, LINEAR, MHLA = MODELS
+# Images per batch at each resolution: about 50,000-65,000 tokens a batch.
+BATCH_SIZES = {224: 256, 512: 64, 1024: 16, 2048: 4}
+FIRST = (224, 1024)  # the targets' resolutions run first, then the compiled runs, then the others
+OP_SIZES = [196, 1024, 4096, 16384]  # the token counts of 224, 512, 1024 and 2048 px
+OP_METHODS = ["sdpa", "linear", "mhla"]
+MODEL_TIMING = dict(min_run_time=0.5, rounds=3)  # seconds of timed calls per model and mode, in interleaved rounds
+OP_TIMING = dict(min_run_time=0.3, rounds=3)
+# Expected seconds per step on one H200 (estimates, not measured: see docs/benchmarks.md, "Running the GPU check").
+EXPECTED = {"tests": 30, "attention": 80, "compiled": 150, 224: 40, 512: 40, 1024: 45, 2048: 65}
+SMOKE = dict(batch_sizes={64: 2}, op_sizes=[64, 256], timing=dict(min_run_time=0.05, rounds=2))
+TIME_LIMIT = 470  # s: the whole check stays under 8 minutes
+OOM_MARKERS = ("out of memory", "outofmemoryerror")
+PYTEST_SUMMARY = re.compile(r"(\d+ (passed|failed|skipped|deselected|errors?|xfailed|xpassed)|no tests ran)"
+                            r".* in \d+(\.\d+)?s")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One subprocess: its name (``--steps``), command (run from the repository root), timeout, expected time and
+    output directory (emptied before it runs, so that a failed step leaves no earlier run's results)."""
+
+    name: str
+    cmd: list[str]
+    timeout: float
+    estimate: float
+    out_dir: Path | None = None
+
+    def display(self) -> str:
+        """The command as one would type it in the repository root."""
+        return shlex.join(["python"] + [_relative(arg) for arg in self.cmd[1:]])
+
+
+@dataclass(frozen=True)
+class StepResult:
+    name: str
+    ok: bool
+    seconds: float
+    message: str  # "ok", or the one-line failure
+    log: Path | None
+
+
+def _relative(arg: str) -> str:
+    path = Path(arg)
+    if path.is_absolute() and path.is_relative_to(ROOT):
+        return str(path.relative_to(ROOT))
+    return arg
+
+
+def compiled_models(size: int) -> list[str]:
+    """What the compiled run at ``size`` times: MHLA and its target's baseline (timm's DeiT-T at 224 px)."""
+    return [TIMM_DEIT if size == 224 else SOFTMAX, MHLA]
+
+
+def plan(args: argparse.Namespace) -> list[Step]:
+    """The steps of the check, in the order they run."""
+    batch_sizes = SMOKE["batch_sizes"] if args.smoke else BATCH_SIZES
+    op_sizes = SMOKE["op_sizes"] if args.smoke else OP_SIZES
+    model_timing = SMOKE["timing"] if args.smoke else MODEL_TIMING
+    op_timing = SMOKE["timing"] if args.smoke else OP_TIMING
+    common = ["--device", args.device, "--dtype", args.dtype]
+    python = sys.executable
+
+    def timing(t):
+        return ["--min-run-time", str(t["min_run_time"]), "--rounds", str(t["rounds"])]
+
+    def models_step(size: int, compiled: bool) -> Step:
+        kind = "compiled" if compiled else "eager"
+        out_dir = args.out_dir / "models" / f"{kind}-{size}"
+        cmd = [python, "scripts/benchmark.py", *common, "--models", *(compiled_models(size) if compiled else MODELS),
+               "--img-sizes", str(size), "--batch-size", str(batch_sizes[size]), *timing(model_timing),
+               "--out-dir", str(out_dir)]
+        if compiled:  # no fresh-process memory workers: each would compile again
+            cmd += ["--compile", "--no-memory"]
+        estimate = EXPECTED["compiled"] if compiled else EXPECTED.get(size, 40)
+        return Step(f"models-{kind}-{size}", cmd, timeout=300 if compiled else 150, estimate=estimate,
+                    out_dir=out_dir)
+
+    steps = [
+        Step("tests", [python, "-m", "pytest", "-q", "-m", "cuda", "tests/", "-p", "no:cacheprovider"],
+             timeout=180, estimate=EXPECTED["tests"]),
+        Step("attention", [python, "scripts/benchmark_attention.py", *common, "--sizes", *map(str, op_sizes),
+                           "--methods", *OP_METHODS, *timing(op_timing), "--out-dir", str(args.out_dir / "attention")],
+             timeout=180, estimate=EXPECTED["attention"], out_dir=args.out_dir / "attention"),
+    ]
+    steps += [models_step(size, False) for size in batch_sizes if size in FIRST]
+    steps += [models_step(size, True) for size in args.compile_sizes]
+    steps += [models_step(size, False) for size in batch_sizes if size not in FIRST]
+    return steps
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+                        help="the benchmarks' dtype (autocast for the models, the inputs' dtype for the op)")
+    parser.add_argument("--out-dir", type=Path, default=Path("outputs/gpu_check"),
+                        help="the benchmarks' outputs, the logs and (by default) the report")
+    parser.add_argument("--out", type=Path, default=None, help="the report (default: <out-dir>/gpu_report.md)")
+    parser.add_argument("--compile-sizes", type=int, nargs="*", default=None,
+                        help="resolutions of the compiled model benchmark (default: 224; none with --smoke)")
+    parser.add_argument("--steps", nargs="+", default=None, help="run only these steps (names: --dry-run)")
+    parser.add_argument("--time-limit", type=float, default=TIME_LIMIT, help="seconds for all the steps together")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"tiny settings ({list(SMOKE['batch_sizes'])} px, {SMOKE['op_sizes']} tokens) to "
+                             "check the wiring, e.g. on a CPU")
+    parser.add_argument("--dry-run", action="store_true", help="print the environment and the plan; run nothing")
+    args = parser.parse_args(argv)
+    args.out_dir = args.out_dir.resolve()
+    args.out = (args.out or args.out_dir / "gpu_report.md").resolve()
+    sizes = SMOKE["batch_sizes"] if args.smoke else BATCH_SIZES
+    if args.compile_sizes is None:
+        args.compile_sizes = [] if args.smoke else [224]
+    for size in args.compile_sizes:
+        if size not in sizes:
+            parser.error(f"--compile-sizes: {size} is not one of the check's resolutions {sorted(sizes)}")
+    steps = plan(args)
+    if args.steps:
+        unknown = set(args.steps) - {step.name for step in steps}
+        if unknown:
+            parser.error(f"--steps: unknown {sorted(unknown)}; the steps are {[step.name for step in steps]}")
+    return args
+
+
+# Running the steps
+
+
+def _last_line(log: Path) -> str:
+    """The last non-empty line of ``log`` (its end only), shortened to one short line."""
+    with open(log, "rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
+        lines = [line.strip() for line in f.read().decode(errors="replace").splitlines()[1:] if line.strip()]
+    line = lines[-1] if lines else ""
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
+def _ran_out_of_memory(log: Path) -> bool:
+    with open(log, "rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+        text = f.read().decode(errors="replace").lower()
+    return any(marker in text for marker in OOM_MARKERS)
+
+
+def run_step(step: Step, log_dir: Path, timeout: float | None = None) -> StepResult:
+    """Run ``step`` in a session of its own, its output in ``log_dir/<name>.log``; never raises for the step's sake.
+
+    Past ``timeout`` (default ``step.timeout``) the step and every process it started are killed. A failure is
+    one line: ``FAILED <name>: <why> after <seconds> s: <last line of its output> (log: <path>)``.
+    """
+    timeout = step.timeout if timeout is None else timeout
+    log_dir.mkdir(parents=True, exist_ok=True)
+    if step.out_dir is not None and step.out_dir.exists():
+        shutil.rmtree(step.out_dir)
+    log = log_dir / f"{step.name}.log"
+    env = dict(os.environ, PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    start = time.monotonic()
+    with open(log, "w") as out:
+        out.write(f"$ {step.display()}\n")
+        out.flush()
+        try:
+            proc = subprocess.Popen(step.cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    cwd=ROOT, env=env, start_new_session=True)
+        except OSError as error:
+            return StepResult(step.name, False, 0.0, f"FAILED {step.name}: could not start: {error}", log)
+        try:
+            code = proc.wait(timeout=timeout)
+            why = None
+        except subprocess.TimeoutExpired:
+            why = f"timed out after {timeout:.0f} s"
+        except BaseException:  # Ctrl-C: take the step's processes down too
+            _kill_session(proc)
+            raise
+        finally:
+            if proc.poll() is None:
+                _kill_session(proc)
+    seconds = time.monotonic() - start
+    if why is None and code == 0:
+        return StepResult(step.name, True, seconds, "ok", log)
+    if why is None:
+        signal_name = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+        why = f"out of memory ({signal_name})" if _ran_out_of_memory(log) else signal_name
+        why += f" after {seconds:.0f} s"
+    last = _last_line(log)
+    return StepResult(step.name, False, seconds,
+                      f"FAILED {step.name}: {why}" + (f": {last}" if last else "") + f" (log: {_relative(str(log))})",
+                      log)
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    """Kill the step's process group (the step and what it started: the benchmarks' memory workers)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def run_steps(steps: list[Step], log_dir: Path, time_limit: float = TIME_LIMIT, echo=print) -> list[StepResult]:
+    """Every step in turn, each given at most the time left of ``time_limit``; one line per step to ``echo``."""
+    deadline = time.monotonic() + time_limit
+    results = []
+    for i, step in enumerate(steps, 1):
+        left = deadline - time.monotonic()
+        if left < 1:
+            result = StepResult(step.name, False, 0.0,
+                                f"FAILED {step.name}: not run, the time limit ({time_limit:.0f} s) was reached", None)
+        else:
+            echo(f"[{i}/{len(steps)}] {step.name}: {step.display()}", flush=True)
+            result = run_step(step, log_dir, min(step.timeout, left))
+        echo(f"[{i}/{len(steps)}] {step.name}: ok ({result.seconds:.0f} s)" if result.ok else result.message,
+             flush=True)
+        results.append(result)
+    return results
+
+
+# The environment
+
+
+def _command_output(cmd: list[str]) -> str | None:
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=20, cwd=ROOT)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return proc.stdout.strip() if proc.returncode == 0 and proc.stdout.strip() else None
+
+
+def environment(device: str) -> dict[str, str]:
+    """What the figures were measured with: software versions, the GPU and its driver, the CPU, the commit."""
+    import timm
+
+    env = {"python": platform.python_version(), "torch": torch.__version__,
+           "CUDA (torch's build)": torch.version.cuda or "none"}
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    env["cuDNN"] = str(cudnn) if cudnn else "none"
+    if torch.cuda.is_available():
+        target = torch.device(device)
+        props = torch.cuda.get_device_properties(target.index if target.type == "cuda" and target.index else 0)
+        env["GPU"] = (f"{props.name}, {props.total_memory / 2 ** 30:.1f} GiB, "
+                      f"compute capability {props.major}.{props.minor}, {torch.cuda.device_count()} device(s)")
+        env["driver"] = (_command_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+                         or "unknown").splitlines()[0]
+    else:
+        env["GPU"] = "none (torch.cuda.is_available() is False)"
+    env["timm"] = timm.__version__
+    env["CPU"] = f"{os.cpu_count()} cores, {platform.machine()}"
+    commit = _command_output(["git", "rev-parse", "--short", "HEAD"])
+    if commit and _command_output(["git", "status", "--porcelain", "--untracked-files=no"]):
+        commit += " (with uncommitted changes)"
+    env["commit"] = commit or "unknown"
+    return env
+
+
+# The report
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    value: float | None  # None: not measured
+    goal: str  # e.g. ">= 5"
+    met: bool | None
+
+
+def _target(name: str, numerator: float | None, denominator: float | None, goal: str) -> Target:
+    value = None
+    if numerator is not None and denominator and math.isfinite(numerator) and math.isfinite(denominator):
+        value = numerator / denominator
+    op, bound = goal.split()
+    met = None if value is None else (value >= float(bound) if op == ">=" else value <= float(bound))
+    return Target(name, value, goal, met)
+
+
+def _read_csv(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def read_model_rows(out_dir: Path) -> list[dict]:
+    """Every row of ``<out-dir>/models/*/benchmark.csv`` (``scripts/benchmark.py``), numbers parsed."""
+    rows = []
+    for path in sorted((out_dir / "models").glob("*/benchmark.csv")):
+        for r in _read_csv(path):
+            rows.append(dict(r, img_size=int(r["img_size"]), batch_size=int(r["batch_size"]),
+                             compile=r["compile"] == "True",
+                             **{key: float(r[key]) for key in ("step_ms", "spread_pct", "img_per_s", "peak_mib")}))
+    return rows
+
+
+def read_op_rows(out_dir: Path) -> list[dict]:
+    """The rows of ``<out-dir>/attention/attention_benchmark.csv`` (``scripts/benchmark_attention.py``)."""
+    path = out_dir / "attention" / "attention_benchmark.csv"
+    if not path.exists():
+        return []
+    return [dict(r, n=int(r["n"]), **{key: float(r[key]) for key in ("time_ms", "spread_pct", "peak_mib")})
+            for r in _read_csv(path)]
+
+
+def targets(model_rows: list[dict], op_rows: list[dict]) -> list[Target]:
+    """The issue's three targets (listed, measured or not), then MHLA / linear time and the peak memory ratios."""
+    models = {(r["model"], r["img_size"], r["mode"], r["compile"]): r for r in model_rows}
+    op = {(r["method"], r["n"], r["mode"]): r["time_ms"] for r in op_rows}
+
+    def model(name, size, mode, compiled, key):
+        row = models.get((name, size, mode, compiled))
+        return None if row is None else row[key]
+
+    found = [_target("op, 4,096 tokens, forward + backward: SDPA time / MHLA time",
+                     op.get(("sdpa", 4096, "train")), op.get(("mhla", 4096, "train")), ">= 5")]
+    for mode in ("train", "inference"):
+        found.append(_target(f"{MHLA} / {TIMM_DEIT} throughput, 224 px, compiled, {mode}",
+                             model(MHLA, 224, mode, True, "img_per_s"), model(TIMM_DEIT, 224, mode, True, "img_per_s"),
+                             ">= 0.9"))
+    compiled_1024 = [True] if (MHLA, 1024, "train", True) in models else []
+    for compiled in [False, *compiled_1024]:
+        for mode in ("train", "inference"):
+            found.append(_target(f"{SOFTMAX} / {MHLA} step time, 1024 px, {'compiled' if compiled else 'eager'}, "
+                                 f"{mode}", model(SOFTMAX, 1024, mode, compiled, "step_ms"),
+                                 model(MHLA, 1024, mode, compiled, "step_ms"), ">= 3"))
+    for n in sorted({n for _, n, _ in op}):
+        if ("mhla", n, "train") in op and ("linear", n, "train") in op:
+            found.append(_target(f"op, {n:,} tokens, forward + backward: MHLA time / linear time",
+                                 op[("mhla", n, "train")], op[("linear", n, "train")], "<= 1.25"))
+    for size, compiled in sorted({(size, compiled) for _, size, _, compiled in models}, key=lambda k: (k[1], k[0])):
+        kind = "compiled" if compiled else "eager"
+        for mode in ("train", "inference"):
+            if (MHLA, size, mode, compiled) in models and (LINEAR, size, mode, compiled) in models:
+                found.append(_target(f"{MHLA} / {LINEAR} step time, {size} px, {kind}, {mode}",
+                                     model(MHLA, size, mode, compiled, "step_ms"),
+                                     model(LINEAR, size, mode, compiled, "step_ms"), "<= 1.15"))
+        for name in (MHLA, LINEAR):
+            peak, softmax_peak = (model(n, size, "train", compiled, "peak_mib") for n in (name, SOFTMAX))
+            if peak is not None and softmax_peak is not None and math.isfinite(peak) and math.isfinite(softmax_peak):
+                found.append(_target(f"{name} / {SOFTMAX} training peak memory, {size} px, {kind}",
+                                     peak, softmax_peak, "<= 1"))
+    return found
+
+
+def _number(value: float, digits: int = 1) -> str:
+    return "—" if value is None or not math.isfinite(value) else f"{value:,.{digits}f}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def tests_summary(log: Path | None) -> list[str]:
+    """pytest's summary line and its FAILED / ERROR lines, from the tests step's log."""
+    if log is None or not log.exists():
+        return ["not run"]
+    lines = [line.rstrip() for line in log.read_text(errors="replace").splitlines()]
+    failures = [line for line in lines if line.startswith(("FAILED ", "ERROR "))]
+    summary = [line.strip("= ") for line in lines if PYTEST_SUMMARY.search(line)]
+    return ([f"`pytest -q -m cuda tests/`: {summary[-1]}"] if summary else ["no pytest summary in the log"]) + \
+        [f"- `{line}`" for line in failures]
+
+
+def op_table(rows: list[dict]) -> list[str]:
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    by_key = {(r["method"], r["n"], r["mode"]): r for r in rows}
+    header = (["N"] + [f"{m} fwd ms" for m in methods] + [f"{m} fwd+bwd ms" for m in methods]
+              + [f"{m} fwd+bwd MiB" for m in methods])
+
+    def cell(method, n, mode, key, digits):
+        row = by_key.get((method, n, mode))
+        return _number(None if row is None else row[key], digits)
+
+    body = [[f"{n:,}"] + [cell(m, n, "forward", "time_ms", 2) for m in methods]
+            + [cell(m, n, "train", "time_ms", 2) for m in methods]
+            + [cell(m, n, "train", "peak_mib", 1) for m in methods] for n in sorted({r["n"] for r in rows})]
+    return _table(header, body)
+
+
+def model_table(rows: list[dict]) -> list[str]:
+    by_key = {(r["model"], r["img_size"], r["compile"], r["mode"]): r for r in rows}
+    body = []
+    for size, compiled, name in sorted({(r["img_size"], r["compile"], r["model"]) for r in rows},
+                                       key=lambda k: (k[0], k[1], MODELS.index(k[2]) if k[2] in MODELS else 99)):
+        inference, train = by_key.get((name, size, compiled, "inference")), by_key.get((name, size, compiled, "train"))
+        any_row = inference or train
+
+        def get(row, key, digits=1):
+            return _number(None if row is None else row[key], digits)
+
+        spread = "" if train is None else f" ({train['spread_pct']:.0f}%)"
+        body.append([name, str(size), str(any_row["batch_size"]), "yes" if compiled else "no",
+                     get(inference, "img_per_s"), get(train, "img_per_s"), get(train, "step_ms") + spread,
+                     get(inference, "peak_mib", 0), get(train, "peak_mib", 0)])
+    return _table(["model", "px", "batch", "compiled", "inference img/s", "train img/s", "train step ms (spread)",
+                   "inference MiB", "train MiB"], body)
+
+
+def build_report(env: dict[str, str], steps: list[Step], results: list[StepResult], out_dir: Path,
+                 command: str, dtype: str, started: str) -> str:
+    """The Markdown report of a check whose benchmarks wrote under ``out_dir``."""
+    by_name = {r.name: r for r in results}
+    failed = [r for r in results if not r.ok]
+    total = sum(r.seconds for r in results)
+    lines = ["# GPU check", "",
+             f"`{command}`, started {started}, {total / 60:.1f} min of steps; "
+             + (f"**{len(failed)} of {len(results)} steps failed**." if failed else f"all {len(results)} steps ok."),
+             "", "## Environment", ""]
+    lines += _table(["", ""], [[key, value] for key, value in env.items()])
+    lines += ["", "## Steps", ""]
+    step_rows = []
+    for step in steps:
+        result = by_name.get(step.name)
+        outcome = "not run" if result is None else ("ok" if result.ok else result.message.replace("|", "\\|"))
+        seconds = "" if result is None else f"{result.seconds:.0f} s"
+        step_rows.append([step.name, f"`{step.display()}`", outcome, seconds, f"{step.estimate:.0f} s"])
+    lines += _table(["step", "command", "result", "time", "expected"], step_rows)
+    lines += ["", f"The tables and targets below read every result under `{_relative(str(out_dir))}`, with those of "
+              "earlier checks' steps not run this time (`--steps`)."]
+
+    model_rows, op_rows = read_model_rows(out_dir), read_op_rows(out_dir)
+    lines += ["", "## Targets", "", f"All in {dtype}; the models' ratios from `scripts/benchmark.py`'s CSV files, "
+              "the op's from `scripts/benchmark_attention.py`'s (\"forward + backward\" is its `train` mode).", ""]
+    met_text = {True: "met", False: "**not met**", None: "not measured"}
+    lines += _table(["target", "measured", "goal", "met"],
+                    [[t.name, _number(t.value, 3 if "memory" in t.name else 2), t.goal, met_text[t.met]]
+                     for t in targets(model_rows, op_rows)])
+
+    lines += ["", "## CUDA tests", ""]
+    tests = by_name.get("tests")
+    lines += tests_summary(None if tests is None else tests.log)
+
+    lines += ["", "## The attention op", ""]
+    op_md = out_dir / "attention" / "attention_benchmark.md"
+    if op_rows:
+        setting = op_md.read_text().splitlines()[0] if op_md.exists() else ""
+        lines += ([setting, ""] if setting else []) + op_table(op_rows)
+    else:
+        lines.append("not measured")
+    lines += ["", "## The models", ""]
+    if model_rows:
+        lines += [f"{dtype} autocast; inference and training-step throughput, medians of interleaved rounds; "
+                  "peak memory of each in a fresh process (— : not measured, the compiled runs skip it).", ""]
+        lines += model_table(model_rows)
+    else:
+        lines.append("not measured")
+    return "\n".join(lines) + "\n"
+
+
+def format_plan(steps: list[Step], time_limit: float) -> str:
+    lines = [f"{len(steps)} steps, expected {sum(s.estimate for s in steps) / 60:.1f} min "
+             f"(time limit {time_limit:.0f} s):"]
+    lines += [f"  {s.name:<22} timeout {s.timeout:>4.0f} s, expected {s.estimate:>4.0f} s: {s.display()}"
+              for s in steps]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    steps = plan(args)
+    if args.steps:
+        steps = [step for step in steps if step.name in args.steps]
+    env = environment(args.device)
+    print("\n".join(f"{key}: {value}" for key, value in env.items()))
+    print(format_plan(steps, args.time_limit), flush=True)
+    if args.dry_run:
+        return 0
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device (torch.cuda.is_available() is False); --dry-run shows the plan, "
+              "--smoke --device cpu runs it on the CPU", file=sys.stderr)
+        return 2
+    started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    results = run_steps(steps, args.out_dir / "logs", args.time_limit)
+    command = shlex.join(["python", "scripts/gpu_check.py", *(sys.argv[1:] if argv is None else argv)])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(build_report(env, steps, results, args.out_dir, command, args.dtype, started))
+    failed = [r for r in results if not r.ok]
+    print(f"report: {_relative(str(args.out))}" + (f"; {len(failed)} step(s) failed" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,249 @@
+"""scripts/gpu_check.py without a GPU: the plan against the benchmark scripts' own parsers, the step runner (a failure,
+an out-of-memory, a hang, the time limit) and the report built from files in the benchmark scripts' format."""
+import ast
+import csv
+import math
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ROOT, load_script
+
+gpu_check = load_script("gpu_check")
+
+
+def step(name: str, code: str, timeout: float = 30) -> "gpu_check.Step":
+    return gpu_check.Step(name, [sys.executable, "-c", code], timeout=timeout, estimate=1)
+
+
+# The plan
+
+
+def test_the_plan_is_what_the_benchmark_scripts_accept():
+    args = gpu_check.parse_args(["--out-dir", "/tmp/check"])
+    steps = gpu_check.plan(args)
+    assert [s.name for s in steps] == ["tests", "attention", "models-eager-224", "models-eager-1024",
+                                       "models-compiled-224", "models-eager-512", "models-eager-2048"]
+    assert steps[0].cmd[1:] == ["-m", "pytest", "-q", "-m", "cuda", "tests/", "-p", "no:cacheprovider"]
+    op = load_script("benchmark_attention").parse_args(steps[1].cmd[2:])
+    assert (op.device, op.dtype, op.sizes, op.methods) == ("cuda", "bfloat16", [196, 1024, 4096, 16384],
+                                                           ["sdpa", "linear", "mhla"])
+    assert op.out_dir == Path("/tmp/check/attention")
+    benchmark = load_script("benchmark")
+    runs = {}
+    for s in steps[2:]:
+        parsed = benchmark.parse_args(s.cmd[2:])
+        assert (parsed.device, parsed.dtype, parsed.rounds) == ("cuda", "bfloat16", 3)
+        assert parsed.out_dir == Path("/tmp/check/models") / s.name.removeprefix("models-")
+        runs[s.name] = (parsed.img_sizes, parsed.batch_size, parsed.compile, parsed.no_memory, parsed.models)
+    everything = ["deit_tiny_patch16_224", "deit_tiny_softmax", "deit_tiny_linear_lepe", "deit_tiny_mhla"]
+    assert runs == {
+        "models-eager-224": ([224], 256, False, False, everything),
+        "models-eager-512": ([512], 64, False, False, everything),
+        "models-eager-1024": ([1024], 16, False, False, everything),
+        "models-eager-2048": ([2048], 4, False, False, everything),
+        "models-compiled-224": ([224], 256, True, True, ["deit_tiny_patch16_224", "deit_tiny_mhla"]),
+    }
+    assert sum(s.estimate for s in steps) <= args.time_limit <= 480  # the whole check in 8 minutes
+
+
+def test_compile_sizes_steps_and_smoke():
+    args = gpu_check.parse_args(["--compile-sizes", "224", "1024", "--dtype", "float16"])
+    compiled = [s for s in gpu_check.plan(args) if "compiled" in s.name]
+    assert [s.name for s in compiled] == ["models-compiled-224", "models-compiled-1024"]
+    assert compiled[1].cmd[compiled[1].cmd.index("--models") + 1:][:2] == ["deit_tiny_softmax", "deit_tiny_mhla"]
+    assert all(s.cmd[s.cmd.index("--dtype") + 1] == "float16" for s in compiled)
+    smoke = gpu_check.plan(gpu_check.parse_args(["--smoke", "--device", "cpu"]))
+    assert [s.name for s in smoke] == ["tests", "attention", "models-eager-64"]
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--compile-sizes", "384"])
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--steps", "models-eager-384"])
+
+
+def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path, capsys):
+    assert gpu_check.main(["--dry-run", "--out-dir", str(tmp_path / "check")]) == 0
+    out = capsys.readouterr().out
+    assert "torch: " in out and "GPU: " in out and "models-compiled-224" in out and "--batch-size 256" in out
+    assert not (tmp_path / "check").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine this would run the whole check")
+def test_without_a_device_it_stops_before_any_step(tmp_path, capsys):
+    assert gpu_check.main(["--out-dir", str(tmp_path)]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+    assert not (tmp_path / "logs").exists()
+
+
+# Running the steps
+
+
+def test_failures_are_one_line_each_and_the_check_goes_on(tmp_path):
+    stale = tmp_path / "fails" / "benchmark.csv"  # an earlier run's result of the failing step
+    stale.parent.mkdir()
+    stale.write_text("model\n")
+    echoed = []
+    results = gpu_check.run_steps([
+        gpu_check.Step("fails", [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"], timeout=30,
+                       estimate=1, out_dir=stale.parent),
+        step("oom", "import sys; print('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB', "
+                    "file=sys.stderr); sys.exit(1)"),
+        step("works", "print('fine')"),
+    ], tmp_path, echo=lambda line, flush: echoed.append(line))
+    assert [r.ok for r in results] == [False, False, True]
+    fails, oom, works = results
+    assert fails.message.startswith("FAILED fails: exit code 3 after ") and fails.message.endswith(
+        f": boom (log: {tmp_path / 'fails.log'})")
+    assert oom.message.startswith("FAILED oom: out of memory (exit code 1) after ")
+    assert "Tried to allocate 2.00 GiB" in oom.message
+    assert all("\n" not in r.message for r in results)
+    assert echoed[1] == fails.message and echoed[3] == oom.message and echoed[5].startswith("[3/3] works: ok (")
+    assert (tmp_path / "works.log").read_text().splitlines()[1:] == ["fine"]
+    assert not stale.parent.exists()  # no earlier result stands in for the failed step's
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_hanging_step_is_killed_with_the_processes_it_started(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    hang = gpu_check.Step("hang", [sys.executable, "-c", (
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "open(sys.argv[1], 'w').write(str(child.pid))\n"
+        "print('waiting for the child', flush=True)\n"
+        "time.sleep(60)\n"), str(pid_file)], timeout=3, estimate=1)
+    start = time.monotonic()
+    result = gpu_check.run_step(hang, tmp_path)
+    assert time.monotonic() - start < 10
+    assert result.message == f"FAILED hang: timed out after 3 s: waiting for the child (log: {tmp_path / 'hang.log'})"
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while _running(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(child)
+
+
+def test_the_time_limit_cuts_the_steps_that_do_not_fit(tmp_path):
+    start = time.monotonic()
+    results = gpu_check.run_steps([step("slow", "import time; time.sleep(30)"), step("next", "pass")], tmp_path,
+                                  time_limit=2, echo=lambda *a, **k: None)
+    assert time.monotonic() - start < 10
+    assert results[0].message.startswith("FAILED slow: timed out after 2 s")
+    assert results[1].message == "FAILED next: not run, the time limit (2 s) was reached"
+
+
+# The report
+
+
+def written_columns(script: str) -> list[str]:
+    """The CSV columns a benchmark script writes: the keywords of its ``rows.append(dict(...))``, in order."""
+    for node in ast.walk(ast.parse((ROOT / "scripts" / f"{script}.py").read_text())):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "append"
+                and getattr(node.func.value, "id", None) == "rows" and isinstance(node.args[0], ast.Call)):
+            return [keyword.arg for keyword in node.args[0].keywords]
+    raise AssertionError(f"no rows.append(dict(...)) in {script}.py")
+
+
+def write_csv(path: Path, columns: list[str], rows: list[dict]) -> None:
+    """As the scripts write theirs: ``csv.DictWriter`` over dicts of Python numbers, bools and strings."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def model_rows(size: int, batch: int, compiled: bool, steps: dict) -> list[dict]:
+    """``scripts/benchmark.py`` rows: ``steps`` maps (model, mode) to (step ms, peak MiB)."""
+    columns = written_columns("benchmark")
+    rows = [dict(model=model, img_size=size, mode=mode, batch_size=batch, dtype="bfloat16", compile=compiled,
+                 step_ms=ms, spread_pct=3.0, img_per_s=batch * 1e3 / ms, peak_mib=peak, params_m=5.78, gmacs=1.26,
+                 kept_mib=100.0, attn_kept_c=5.0) for (model, mode), (ms, peak) in steps.items()]
+    assert list(rows[0]) == columns
+    return rows
+
+
+def make_results(out_dir: Path) -> None:
+    """The files a check writes: the three runs the targets read, the op's CSV and Markdown, the tests' log."""
+    nan = math.nan
+    columns = written_columns("benchmark")
+    write_csv(out_dir / "models" / "compiled-224" / "benchmark.csv", columns, model_rows(224, 256, True, {
+        ("deit_tiny_patch16_224", "inference"): (50.0, nan), ("deit_tiny_patch16_224", "train"): (100.0, nan),
+        ("deit_tiny_mhla", "inference"): (52.0, nan), ("deit_tiny_mhla", "train"): (125.0, nan)}))
+    write_csv(out_dir / "models" / "eager-1024" / "benchmark.csv", columns, model_rows(1024, 16, False, {
+        ("deit_tiny_softmax", "inference"): (90.0, 300.0), ("deit_tiny_softmax", "train"): (300.0, 1010.0),
+        ("deit_tiny_linear_lepe", "inference"): (40.0, 290.0), ("deit_tiny_linear_lepe", "train"): (90.0, 1005.0),
+        ("deit_tiny_mhla", "inference"): (45.0, 295.0), ("deit_tiny_mhla", "train"): (100.0, 1000.0)}))
+    times = {("sdpa", 4096): (20.0, 60.0), ("linear", 4096): (3.0, 9.0), ("mhla", 4096): (3.5, 10.0),
+             ("sdpa", 196): (0.1, 0.3), ("linear", 196): (0.1, 0.2), ("mhla", 196): (0.2, 0.4)}
+    op_columns = written_columns("benchmark_attention")
+    op_rows = [dict(method=method, n=n, mode=mode, time_ms=ms, spread_pct=2.0, peak_mib=12.5)
+               for (method, n), pair in times.items() for mode, ms in zip(("forward", "train"), pair, strict=True)]
+    assert list(op_rows[0]) == op_columns
+    write_csv(out_dir / "attention" / "attention_benchmark.csv", op_columns, op_rows)
+    (out_dir / "attention" / "attention_benchmark.md").write_text(
+        "B=8, H=3, D=64, M=16, cuda, bfloat16, 16 threads, torch 2.14.1\n\n| N | ...\n")
+    (out_dir / "logs").mkdir(parents=True)
+    (out_dir / "logs" / "tests.log").write_text(
+        "$ python -m pytest -q -m cuda tests/ -p no:cacheprovider\n"
+        "..F........................                                              [100%]\n"
+        "=================================== FAILURES ===================================\n"
+        "E   AssertionError: in the first 2 passed steps\n"
+        "=========================== short test summary info ============================\n"
+        "FAILED tests/test_cuda.py::test_amp_training_steps_learn_a_fixed_batch[float16] - AssertionError: [2.4, nan]\n"
+        "1 failed, 26 passed, 540 deselected in 25.31s\n")
+
+
+def test_the_report_reads_the_benchmarks_files_and_marks_each_target(tmp_path):
+    make_results(tmp_path)
+    steps = gpu_check.plan(gpu_check.parse_args(["--out-dir", str(tmp_path)]))
+    results = [gpu_check.StepResult("tests", False, 31.0, "FAILED tests: exit code 1 after 31 s: 1 failed | x",
+                                    tmp_path / "logs" / "tests.log"),
+               gpu_check.StepResult("attention", True, 70.0, "ok", None)]
+    env = {"GPU": "NVIDIA H200, 139.8 GiB, compute capability 9.0, 1 device(s)", "torch": "2.14.1"}
+    report = gpu_check.build_report(env, steps, results, tmp_path, "python scripts/gpu_check.py", "bfloat16",
+                                    "2026-12-01 10:00 UTC")
+    lines = report.splitlines()
+    assert "**1 of 2 steps failed**" in lines[2]
+    assert "| GPU | NVIDIA H200, 139.8 GiB, compute capability 9.0, 1 device(s) |" in lines
+    assert "| tests | `python -m pytest -q -m cuda tests/ -p no:cacheprovider` | FAILED tests: exit code 1 after " \
+           "31 s: 1 failed \\| x | 31 s | 30 s |" in lines
+    assert any(line.startswith("| models-eager-2048 | ") and line.endswith(" | not run |  | 65 s |") for line in lines)
+    for line in [
+        "| op, 4,096 tokens, forward + backward: SDPA time / MHLA time | 6.00 | >= 5 | met |",
+        "| deit_tiny_mhla / deit_tiny_patch16_224 throughput, 224 px, compiled, train | 0.80 | >= 0.9 | **not met** |",
+        "| deit_tiny_mhla / deit_tiny_patch16_224 throughput, 224 px, compiled, inference | 0.96 | >= 0.9 | met |",
+        "| deit_tiny_softmax / deit_tiny_mhla step time, 1024 px, eager, train | 3.00 | >= 3 | met |",
+        "| deit_tiny_softmax / deit_tiny_mhla step time, 1024 px, eager, inference | 2.00 | >= 3 | **not met** |",
+        "| op, 196 tokens, forward + backward: MHLA time / linear time | 2.00 | <= 1.25 | **not met** |",
+        "| op, 4,096 tokens, forward + backward: MHLA time / linear time | 1.11 | <= 1.25 | met |",
+        "| deit_tiny_mhla / deit_tiny_linear_lepe step time, 1024 px, eager, train | 1.11 | <= 1.15 | met |",
+        "| deit_tiny_mhla / deit_tiny_linear_lepe step time, 1024 px, eager, inference | 1.12 | <= 1.15 | met |",
+        "| deit_tiny_mhla / deit_tiny_softmax training peak memory, 1024 px, eager | 0.990 | <= 1 | met |",
+        "| deit_tiny_linear_lepe / deit_tiny_softmax training peak memory, 1024 px, eager | 0.995 | <= 1 | met |",
+        "`pytest -q -m cuda tests/`: 1 failed, 26 passed, 540 deselected in 25.31s",
+        "- `FAILED tests/test_cuda.py::test_amp_training_steps_learn_a_fixed_batch[float16] - AssertionError: "
+        "[2.4, nan]`",
+        "B=8, H=3, D=64, M=16, cuda, bfloat16, 16 threads, torch 2.14.1",
+        "| 4,096 | 20.00 | 3.00 | 3.50 | 60.00 | 9.00 | 10.00 | 12.5 | 12.5 | 12.5 |",
+        "| deit_tiny_mhla | 224 | 256 | yes | 4,923.1 | 2,048.0 | 125.0 (3%) | — | — |",
+        "| deit_tiny_softmax | 1024 | 16 | no | 177.8 | 53.3 | 300.0 (3%) | 300 | 1,010 |",
+    ]:
+        assert line in lines, line
+    assert not [line for line in lines if "peak memory, 224 px, compiled" in line]  # NaN: not measured
+
+
+def test_a_check_that_measured_nothing_says_so(tmp_path):
+    report = gpu_check.build_report({}, [], [], tmp_path, "python scripts/gpu_check.py", "bfloat16", "now")
+    targets = [line for line in report.splitlines() if line.endswith("| not measured |")]
+    assert len(targets) == 5  # the op, 224 px (training, inference), 1024 px (training, inference)
+    assert report.count("not measured\n") == 2 and "not run" in report  # the tables, the tests
