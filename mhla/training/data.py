@@ -12,7 +12,7 @@ dataset on disk (``hfds/``).
 import contextlib
 import importlib.util
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -34,13 +34,14 @@ class BadImageError(RuntimeError):
     """An image file that cannot be read; the message names the file."""
 
 
-def _decode(file, name: str) -> Image.Image:
-    """An RGB image from an open binary file; ``BadImageError`` naming ``name`` if it is not one."""
+def _decode(file, name: Callable[[], str]) -> Image.Image:
+    """An RGB image from an open binary file; ``BadImageError`` naming the file (``name()``, asked only then:
+    a Hugging Face reader reads the sample's row again to name it) if it is not one."""
     try:
         with file:
             return Image.open(file).convert("RGB")
     except (OSError, ValueError) as e:
-        raise BadImageError(f"cannot read image {name}: {e}") from None
+        raise BadImageError(f"cannot read image {name()}: {e}") from None
 
 
 class ReaderDataset(Dataset):
@@ -63,7 +64,7 @@ class ReaderDataset(Dataset):
         file, target = self.reader[index]
         if not hasattr(file, "read"):  # a path
             file = open(file, "rb")
-        return _decode(file, self.reader.filename(index, absolute=True)), int(target)
+        return _decode(file, lambda: self.reader.filename(index, absolute=True)), int(target)
 
 
 class MNIST5k(Dataset):
