@@ -1,11 +1,14 @@
-"""torch.compile of a whole training step (forward, backward, AdamW step) on the CPU: eager's losses, no graph break."""
+"""torch.compile on the CPU: a whole training step (forward, backward, AdamW step) and the blocks compiled one by one
+(config ``compile: blocks``) follow eager's losses; no graph break in the attention."""
 import copy
 
 import pytest
 import timm
 import torch
+from helpers import make_image_folder, tiny_config
 
 import models  # noqa: F401  (registers the models)
+import train
 
 KWARGS = {"embed_dim": 24, "depth": 1, "num_heads": 2, "patch_size": 8, "block_grid": [2, 2], "num_classes": 5}
 
@@ -38,6 +41,27 @@ def test_compiled_training_step_follows_the_eager_loss_curve():
     compiled = _train(model, images, labels, 3, compiled=True)
     assert eager[2] < eager[0]  # it trains
     assert compiled == pytest.approx(eager, rel=1e-4)  # same losses up to fused-kernel rounding (fp32)
+
+
+@pytest.mark.slow  # compiling a block for training and for evaluation on the CPU takes about a minute
+def test_a_run_with_compiled_blocks_trains_as_eager_with_one_graph_per_mode(tmp_path):
+    """``compile: blocks`` in train.py: both blocks compiled in place share one graph for training and one for
+    evaluation, the checkpoint keeps the model's keys, and an epoch (EMA on) ends at eager's weights."""
+    from torch._dynamo.utils import counters
+
+    config = tiny_config(tmp_path, make_image_folder(tmp_path / "data"), epochs=1)
+    for name in ("eager", "blocks"):
+        torch._dynamo.reset()
+        counters.clear()
+        assert train.main(["--config", str(config), "--set", f"run_name={name}", "--set", "model.kwargs.depth=2",
+                           "--set", f"compile={'false' if name == 'eager' else 'blocks'}"]) == 0
+    assert counters["stats"]["unique_graphs"] == 2
+    eager, blocks = (torch.load(tmp_path / "output" / name / "last.pth", weights_only=True)
+                     for name in ("eager", "blocks"))
+    assert list(blocks["model"]) == list(eager["model"]) and "blocks.1.attn.qkv.weight" in blocks["model"]
+    for key in ("model", "ema"):
+        for name, value in eager[key].items():
+            torch.testing.assert_close(blocks[key][name], value, rtol=1e-4, atol=1e-6, msg=f"{key}: {name}")
 
 
 @pytest.mark.parametrize("form", ["blocks", "parallel"])

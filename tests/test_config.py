@@ -53,6 +53,8 @@ def test_set_one_model_kwarg_keeps_the_others():
     ("data:\n  prefetch_factor: 0\n", [], "data.prefetch_factor: 0 is out of range \\(must be >= 1\\)"),
     ("data:\n  pin_memory: yes please\n", [], "data.pin_memory: expected bool"),
     ("ema:\n  enabled: 1\n", [], "ema.enabled: expected bool"),
+    ("compile: 1\n", [], "compile: 1 is not one of \\(False, True, 'blocks'\\) \\(from .*bad.yaml\\)"),
+    ("", ["compile=block"], "compile: 'block' is not one of \\(False, True, 'blocks'\\) \\(from --set\\)"),
     ("", ["optim.lr=abc"], "optim.lr: expected float, got str 'abc' \\(from --set\\)"),
     ("", ["optim"], "--set 'optim': expected key=value"),
     ("aug:\n  scale: [0.1]\n", [], "aug.scale: expected two numbers"),
@@ -83,6 +85,10 @@ def test_bad_values_name_the_key_and_the_file(tmp_path, content, overrides, matc
     ({}, ["model.kwargs.depth=-1"], r"model.kwargs: cannot build deit_tiny_mhla: "),
     ({}, ["sched.name=cosinee"], r"sched.name: Unknown scheduler 'cosinee'. \(from --set\)$"),
     ({}, ["optim.name=adamww"], r"optim.name: Optimizer adamww not found in registry \(from --set\)$"),
+    ({"model": {"name": "swin_tiny_patch4_window7_224", "drop_path": 0.0, "kwargs": {"window_size": 4}}},
+     ["compile=blocks"],
+     r"compile: compile 'blocks' needs a model with a non-empty `blocks` sequence; SwinTransformer has none "
+     r"\(from --set\)$"),
 ])
 def test_train_refuses_bad_configs_before_any_work(tmp_path, capsys, sections, overrides, match):
     config = tiny_config(tmp_path, make_image_folder(tmp_path / "data"), **sections)

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from .compiling import COMPILE_CHOICES
 from .distributed import world_size
 
 __all__ = ["DATASETS", "DEFAULTS", "ConfigError", "check_resources", "load_config", "micro_batch_size",
@@ -30,7 +31,7 @@ DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "epochs": 300,
     "device": "auto",  # auto | cpu | cuda
-    "compile": False,
+    "compile": False,  # false | true (torch.compile the whole model) | blocks (each block in place)
     "model": {
         "name": "deit_tiny_mhla",
         "kwargs": {},  # passed to timm.create_model
@@ -114,6 +115,7 @@ OPTIONAL_TYPES = {"run_name": str, "data.val_batch_size": int, "data.train_split
                   "model.init_from": str}
 CHOICES = {
     "device": ("auto", "cpu", "cuda"),
+    "compile": COMPILE_CHOICES,
     "data.on_bad_image": ("error", "skip"),
     "amp.dtype": ("bfloat16", "float16"),
     "log.wandb.mode": ("online", "offline", "disabled"),
@@ -323,9 +325,11 @@ def _walk(config: dict, defaults: dict, sources: dict, prefix: str = "") -> None
                 raise ConfigError(f"{dotted}: expected a table of keys, got {value!r}{where_set(dotted, sources)}")
             _walk(value, default, sources, dotted + ".")
             continue
+        if dotted in CHOICES:  # compared with their types: 1 is not True
+            if not any(type(value) is type(choice) and value == choice for choice in CHOICES[dotted]):
+                raise ConfigError(f"{dotted}: {value!r} is not one of {CHOICES[dotted]}{where_set(dotted, sources)}")
+            continue
         _check_type(dotted, value, default, sources)
-        if dotted in CHOICES and value not in CHOICES[dotted]:
-            raise ConfigError(f"{dotted}: {value!r} is not one of {CHOICES[dotted]}{where_set(dotted, sources)}")
         if dotted in RANGES and value is not None:
             low, high, inclusive = RANGES[dotted]
             if (value < low if inclusive else value <= low) or (high is not None and value > high):

@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Subset
 
 from .checkpoint import get_rng_state, load_checkpoint, save_atomic, set_rng_state
+from .compiling import compile_blocks, model_blocks
 from .config import ConfigError, micro_batch_size, where_set
 from .data import EpochSampler, build_datasets, collate_skipping, shard_indices
 from .distributed import DistInfo, init_distributed
@@ -116,6 +117,9 @@ def check_buildable(config: dict) -> None:
     if config["model"]["init_from"] is not None:
         with _config_error("model.init_from", sources):
             init_state_dict(config["model"]["init_from"], model)
+    if config["compile"] == "blocks":
+        with _config_error("compile", sources):
+            model_blocks(model)
     with _config_error("optim.name", sources):
         optimizer = build_optimizer(model, config["optim"])
     with _config_error("sched.name", sources):
@@ -203,7 +207,9 @@ class _Run:
         if info.distributed:
             self.train_model = DistributedDataParallel(
                 self.model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
-        if config["compile"]:
+        if config["compile"] == "blocks":  # in place: training, evaluation and the DDP wrapper all run them
+            compile_blocks(self.model)
+        elif config["compile"]:
             self.train_model = torch.compile(self.train_model)
         self.state = TrainState()
         self.metrics = MetricsLog(run_dir)
