@@ -20,8 +20,9 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["Timing", "keep_freed_memory", "peak_memory", "peak_memory_in_worker", "plot_log_log",
-           "release_freed_memory", "return_freed_memory", "saved_bytes", "time_call", "time_interleaved"]
+__all__ = ["Timing", "allow_compiled_variants", "keep_freed_memory", "peak_memory", "peak_memory_in_worker",
+           "plot_log_log", "release_freed_memory", "return_freed_memory", "saved_bytes", "time_call",
+           "time_interleaved"]
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
@@ -66,6 +67,17 @@ def time_interleaved(calls: dict[Hashable, Callable[[], object]], min_run_time: 
             release_freed_memory()
     return {key: (statistics.median(values), 100 * (max(values) - min(values)) / statistics.median(values))
             for key, values in times.items()}
+
+
+def allow_compiled_variants(count: int) -> None:
+    """Let ``torch.compile`` keep ``count`` compiled variants of one function, and raise past that.
+
+    A benchmark compiles the same code once per model, mode (grad or not) and size: the blocks' or the
+    model's forward, or the op. Past dynamo's ``recompile_limit`` (8) it would run the rest eagerly
+    with only a warning, and the "compiled" figures would be eager ones.
+    """
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, count)
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
 
 
 def saved_bytes(fn: Callable[[], object], exclude: Iterable[torch.Tensor] = (),

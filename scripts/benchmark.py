@@ -1,17 +1,22 @@
 """Model speed and memory: inference and training throughput, step time and peak memory over resolutions.
 
     python scripts/benchmark.py                                   # CPU (or CUDA when present), fp32
-    python scripts/benchmark.py --img-sizes 224 1024 --dtype bfloat16 --batch-size 256 --compile
+    python scripts/benchmark.py --img-sizes 224 1024 --dtype bfloat16 --batch-size 256 --compile blocks
 
 For each model and resolution: inference (forward, no grad) and training (forward, cross-entropy,
 backward, AdamW step) time per batch and images per second, medians of interleaved rounds (all
-models of a resolution timed in one process), and the peak memory of each in a fresh process
-(``mhla.benchmark.peak_memory``); what a training forward keeps for backward (whole model, MiB; one
-attention layer, floats per token in units of C: SDPA keeps q, k, v, the output and a log-sum-exp,
-about 5 C with the layer's input); parameters and GMACs; then the ratios that say whether MHLA is
-worth it (MHLA against linear and softmax attention of the same size, and against timm's own
-DeiT-T), each beside its target. Writes ``<out-dir>/benchmark.{csv,json,md}`` and ``throughput.png``.
-``--no-memory`` leaves the peak memory out (NaN; a compiled model compiles again in each fresh process).
+models of a resolution timed in one process), and the peak memory of each (``mhla.benchmark.peak_memory``):
+on CUDA of the timed calls themselves, in this process (``max_memory_allocated`` counts what is allocated,
+not what the caching allocator keeps, so the other models' steps leave no trace in it); on the CPU in a
+fresh process each; what a training forward keeps for backward (whole model, MiB; one attention layer,
+floats per token in units of C: SDPA keeps q, k, v, the output and a log-sum-exp, about 5 C with the
+layer's input); parameters and GMACs (counted on the meta device); then the ratios that say whether MHLA
+is worth it (MHLA against linear and softmax attention of the same size, and against timm's own DeiT-T),
+each beside its target. Writes ``<out-dir>/benchmark.csv`` after each resolution, then
+``<out-dir>/benchmark.{json,md}`` and ``throughput.png``. ``--compile`` compiles the whole model, ``--compile
+blocks`` each transformer block (``mhla.training.compiling``: a cold start a quarter as long).
+``--no-memory`` leaves the peak memory out (NaN; on the CPU a compiled model compiles again in each fresh
+process).
 """
 import argparse
 import contextlib
@@ -27,11 +32,13 @@ import torch
 import models  # noqa: F401  (registers the models)
 from mhla import benchmark as bench
 from mhla.flops import count_macs
+from mhla.training.compiling import compile_blocks
 
 DEFAULT_MODELS = ["deit_tiny_patch16_224", "deit_tiny_softmax", "deit_tiny_linear_lepe", "deit_tiny_mhla",
                   "deit_small_softmax", "deit_small_linear_lepe", "deit_small_mhla"]
 MODES = ("inference", "train")
 DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+COMPILE = ("none", "model", "blocks")
 TIMM_DEIT = "deit_tiny_patch16_224"
 HIGH_RES = 1024  # px: 4,096 tokens, where linear attention has to pay off
 
@@ -43,14 +50,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="autocast dtype (float32: none)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the models")
+    parser.add_argument("--compile", nargs="?", const="model", choices=COMPILE, default="none",
+                        help="torch.compile the whole model (--compile) or each of its blocks (--compile blocks)")
     parser.add_argument("--min-run-time", type=float, default=2.0, help="seconds of timed runs per measurement")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out-dir", type=Path, default=Path("outputs/benchmark"))
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--no-memory", action="store_true",
-                        help="skip the peak memory (one fresh process per model and mode, where a compiled model "
-                             "compiles again); peak_mib is NaN and the memory ratios are left out")
+                        help="skip the peak memory (on the CPU one fresh process per model and mode, where a "
+                             "compiled model compiles again); peak_mib is NaN and the memory ratios are left out")
     parser.add_argument("--worker", nargs=3, metavar=("MODEL", "IMG_SIZE", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for name in args.models:
@@ -66,8 +74,10 @@ def build_call(name: str, img_size: int, mode: str, args):
     """A function running one inference batch or one training step of ``name`` at ``img_size``."""
     device = torch.device(args.device)
     model = timm.create_model(name, img_size=img_size).to(device)
-    if args.compile:
+    if args.compile == "model":
         model = torch.compile(model)
+    elif args.compile == "blocks":
+        compile_blocks(model)
     x = torch.randn(args.batch_size, 3, img_size, img_size, device=device)
     autocast = (torch.autocast(device.type, dtype=DTYPES[args.dtype]) if DTYPES[args.dtype]
                 else contextlib.nullcontext())
@@ -108,8 +118,7 @@ def memory_worker(args) -> float:
 def measure_memory(args, name: str, size: int, mode: str) -> float:
     cmd = [sys.executable, __file__, "--worker", name, str(size), mode, "--models", name, "--img-sizes", str(size),
            "--batch-size", str(args.batch_size), "--dtype", args.dtype, "--device", args.device]
-    if args.compile:
-        cmd.append("--compile")
+    cmd += ["--compile", args.compile]
     return bench.peak_memory_in_worker(cmd, f"{name} {size}px {mode}")
 
 
@@ -132,10 +141,33 @@ def measure_kept(args, name: str, size: int) -> tuple[float, float]:
     return whole / 2 ** 20, layer / (args.batch_size * tokens * model.embed_dim * 4)
 
 
-def measure_times(args, size: int) -> dict:
-    """Median time (ms) and spread (%) per (model, mode) at ``size``, all timed in interleaved rounds."""
+def measure_size(args, size: int) -> tuple[dict, dict]:
+    """Median time (ms) and spread (%) per (model, mode) at ``size``, all timed in interleaved rounds, and the
+    peak memory (MiB) of each: NaN with ``--no-memory``, of the timed calls on CUDA, else in fresh processes."""
     calls = {(name, mode): build_call(name, size, mode, args) for name in args.models for mode in MODES}
-    return bench.time_interleaved(calls, args.min_run_time, args.rounds)
+    times = bench.time_interleaved(calls, args.min_run_time, args.rounds)
+    device = torch.device(args.device)
+    if args.no_memory:
+        peaks = {key: math.nan for key in calls}
+    elif device.type == "cuda":
+        peaks = {key: bench.peak_memory(call, device) / 2 ** 20 for key, call in calls.items()}
+    else:
+        peaks = {(name, mode): measure_memory(args, name, size, mode) for name, mode in calls}
+    return times, peaks
+
+
+def model_size(name: str, size: int) -> tuple[float, float]:
+    """Parameters (millions) and GMACs of one forward at batch 1, counted on the meta device (no compute)."""
+    with torch.device("meta"):
+        model = timm.create_model(name, img_size=size).eval()
+    return sum(p.numel() for p in model.parameters()) / 1e6, count_macs(model, (3, size, size)) / 1e9
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 def ratios(rows: list[dict]) -> list[dict]:
@@ -184,32 +216,28 @@ def main(argv=None) -> int:
         print(memory_worker(args))
         return 0
     bench.keep_freed_memory()
+    if args.compile != "none":  # every model, mode and size compiles the same forward again
+        bench.allow_compiled_variants(len(args.models) * len(MODES) * len(args.img_sizes))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     rows = []
     for size in args.img_sizes:
-        times = measure_times(args, size)
+        times, peaks = measure_size(args, size)
         for name in args.models:
-            model = timm.create_model(name, img_size=size).eval()
-            params, gmacs = sum(p.numel() for p in model.parameters()) / 1e6, count_macs(model, (3, size, size)) / 1e9
+            params, gmacs = model_size(name, size)
             kept_mib, attn_kept_c = measure_kept(args, name, size)
             for mode in MODES:
                 ms, spread = times[(name, mode)]
                 rows.append(dict(model=name, img_size=size, mode=mode, batch_size=args.batch_size, dtype=args.dtype,
                                  compile=args.compile, step_ms=ms, spread_pct=spread,
-                                 img_per_s=args.batch_size * 1e3 / ms,
-                                 peak_mib=math.nan if args.no_memory else measure_memory(args, name, size, mode),
-                                 params_m=params, gmacs=gmacs,
-                                 kept_mib=kept_mib, attn_kept_c=attn_kept_c))
+                                 img_per_s=args.batch_size * 1e3 / ms, peak_mib=peaks[(name, mode)],
+                                 params_m=params, gmacs=gmacs, kept_mib=kept_mib, attn_kept_c=attn_kept_c))
                 print(f"{name:>24} {size:>5}px {mode:<9} {ms:10.1f} ms {rows[-1]['img_per_s']:9.1f} img/s "
                       f"{rows[-1]['peak_mib']:9.1f} MiB", file=sys.stderr)
-    with open(args.out_dir / "benchmark.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+        write_csv(rows, args.out_dir / "benchmark.csv")  # what is measured so far survives a later size's failure
     found = ratios(rows)
     (args.out_dir / "benchmark.json").write_text(json.dumps(dict(rows=rows, ratios=found), indent=2) + "\n")
     lines = [f"{args.device}, {args.dtype}, batch {args.batch_size}, {torch.get_num_threads()} threads, "
-             f"torch {torch.__version__}{', compiled' if args.compile else ''}", "",
+             f"torch {torch.__version__}{'' if args.compile == 'none' else ', compiled: ' + args.compile}", "",
              "| model | px | params (M) | GMACs | inference img/s | train img/s | train step ms (spread) | "
              "inference MiB | train MiB | kept MiB | attention kept / token |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]

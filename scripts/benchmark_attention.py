@@ -2,21 +2,25 @@
 
 For each sequence length N (a square token grid) and each method, times the forward pass (no
 grad) and the forward + backward pass, all methods interleaved in one process, and measures the
-peak memory of each in a fresh process. ``mhla`` is the op on its own contract, block-major
-inputs (at N = 196 the 4 x 4 blocks are unequal and padded slots are masked); ``mhla_tokens`` adds
-the partition of token-order inputs and the gather back. In ``MultiHeadLinearAttention`` that
-partition takes the place of the head-split copy every attention module makes, so ``mhla`` is the
-figure to compare with ``linear``.
+peak memory of each: on CUDA of the timed calls, in this process; on the CPU in a fresh process
+each (see ``scripts/benchmark.py``). ``--compile`` compiles each op (``torch.compile``, one static
+graph per size and mode). ``mhla`` is the op on its own contract, block-major inputs (at N = 196
+the 4 x 4 blocks are unequal and padded slots are masked); ``mhla_tokens`` adds the partition of
+token-order inputs and the gather back. In ``MultiHeadLinearAttention`` that partition takes the
+place of the head-split copy every attention module makes, so ``mhla`` is the figure to compare
+with ``linear``.
 
     python scripts/benchmark_attention.py                       # CPU (or CUDA when present)
     python scripts/benchmark_attention.py --sizes 196 1024 --min-run-time 0.2
+    python scripts/benchmark_attention.py --device cuda --dtype bfloat16 --compile
 
-Writes ``<out-dir>/attention_benchmark.{csv,md,png}`` and prints the Markdown table and the
-targets (MHLA <= 1.25x linear, SDPA/MHLA >= 20 at N = 4096, MHLA <= 1.3x SDPA at N = 196, MHLA
-peak memory at N = 16384 <= 20x its N = 1024 figure).
+Writes ``<out-dir>/attention_benchmark.csv`` after each N, then ``attention_benchmark.{md,png}``, and
+prints the Markdown table and the targets (MHLA <= 1.25x linear, SDPA/MHLA >= 20 at N = 4096, MHLA
+<= 1.3x SDPA at N = 196, MHLA peak memory at N = 16384 <= 20x its N = 1024 figure).
 """
 import argparse
 import csv
+import functools
 import math
 import sys
 from pathlib import Path
@@ -43,6 +47,7 @@ def parse_args(argv=None):
     parser.add_argument("--block-grid", type=int, nargs=2, default=[4, 4], metavar=("BH", "BW"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each op (static shapes)")
     parser.add_argument("--min-run-time", type=float, default=1.5, help="seconds of timed runs per measurement")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (the median is reported)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -61,6 +66,19 @@ def parse_args(argv=None):
     return args
 
 
+def _sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v)
+
+
+OPS = {"sdpa": _sdpa, "linear": linear_attention, "mhla": mhla_attention}
+
+
+@functools.cache
+def op(name: str, compiled: bool):
+    """The op ``name`` (sdpa, linear, mhla), compiled once for every size and mode (each a static graph)."""
+    return torch.compile(OPS[name], dynamic=False) if compiled else OPS[name]
+
+
 def build_call(method: str, n: int, mode: str, args) -> tuple:
     """Inputs for one measurement and a function running one forward (or forward + backward)."""
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
@@ -76,13 +94,13 @@ def build_call(method: str, n: int, mode: str, args) -> tuple:
     grad_out = torch.randn(shape, generator=gen).to(device, dtype)
     side = math.isqrt(n)
 
-    if method == "sdpa":
+    if method in ("sdpa", "linear"):
+        fn = op(method, args.compile)
+
         def attend():
-            return F.scaled_dot_product_attention(*inputs)
-    elif method == "linear":
-        def attend():
-            return linear_attention(*inputs)
+            return fn(*inputs)
     else:
+        fn = op("mhla", args.compile)
         layout = block_layout((side, side), tuple(args.block_grid))
         mixing = torch.full((layout.num_blocks,) * 2, 1.0 / layout.num_blocks, device=device, requires_grad=train)
         key_mask = None if layout.evenly_divided else layout.mask[None].to(device)
@@ -93,9 +111,9 @@ def build_call(method: str, n: int, mode: str, args) -> tuple:
 
         def attend():
             if method == "mhla":
-                return mhla_attention(*inputs, key_mask=key_mask)
+                return fn(*inputs, key_mask=key_mask)
             q_, k_, v_ = (layout.to_blocks(t) for t in inputs[:3])
-            return layout.from_blocks(mhla_attention(q_, k_, v_, mixing, key_mask=key_mask))
+            return layout.from_blocks(fn(q_, k_, v_, mixing, key_mask=key_mask))
 
     if not train:
         def call():
@@ -116,7 +134,10 @@ def run_worker(args) -> float:
         torch.set_num_threads(args.threads)
     bench.return_freed_memory()
     build_call(method, (2 * max(args.block_grid)) ** 2, mode, args)()
-    return bench.peak_memory(build_call(method, n, mode, args), torch.device(args.device)) / 2 ** 20
+    call = build_call(method, n, mode, args)
+    if args.compile:  # compile outside the measurement
+        call()
+    return bench.peak_memory(call, torch.device(args.device)) / 2 ** 20
 
 
 def setup(args) -> None:
@@ -124,6 +145,8 @@ def setup(args) -> None:
         torch.set_num_threads(args.threads)
     if not args.system_malloc:
         bench.keep_freed_memory()
+    if args.compile:  # one static graph per op, size and mode (and the memory worker's warm-up grid)
+        bench.allow_compiled_variants(len(MODES) * (len(args.sizes) + 1))
 
 
 def measure_memory(args, method: str, n: int, mode: str) -> float:
@@ -133,13 +156,22 @@ def measure_memory(args, method: str, n: int, mode: str) -> float:
            "--device", args.device, "--dtype", args.dtype]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
+    if args.compile:
+        cmd.append("--compile")
     return bench.peak_memory_in_worker(cmd, f"{method} N={n} {mode}")
 
 
-def measure_times(args, n: int) -> dict:
-    """Median time (ms) and spread (%) of every (method, mode) at N, all timed in interleaved rounds."""
+def measure_size(args, n: int) -> tuple[dict, dict]:
+    """Median time (ms) and spread (%) of every (method, mode) at N, all timed in interleaved rounds, and the
+    peak memory (MiB) of each: of the timed calls on CUDA, else in fresh processes."""
     calls = {(m, mode): build_call(m, n, mode, args) for m in args.methods for mode in MODES}
-    return bench.time_interleaved(calls, args.min_run_time, args.rounds)
+    times = bench.time_interleaved(calls, args.min_run_time, args.rounds)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        peaks = {key: bench.peak_memory(call, device) / 2 ** 20 for key, call in calls.items()}
+    else:
+        peaks = {(m, mode): measure_memory(args, m, n, mode) for m, mode in calls}
+    return times, peaks
 
 
 def markdown_table(rows: list[dict], methods: list[str], sizes: list[int]) -> str:
@@ -189,20 +221,21 @@ def main(argv=None) -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     rows = []
     for n in args.sizes:
-        times = measure_times(args, n)
+        times, peaks = measure_size(args, n)
         for method in args.methods:
             for mode in MODES:
-                peak = measure_memory(args, method, n, mode)
                 time_ms, spread = times[(method, mode)]
+                peak = peaks[(method, mode)]
                 rows.append(dict(method=method, n=n, mode=mode, time_ms=time_ms, spread_pct=spread, peak_mib=peak))
                 print(f"{method:>11} N={n:<6} {mode:<7} {time_ms:10.2f} ms (spread {spread:3.0f}%) {peak:9.1f} MiB",
                       file=sys.stderr)
-    with open(args.out_dir / "attention_benchmark.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+        with open(args.out_dir / "attention_benchmark.csv", "w", newline="") as f:  # rewritten after each N
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
     setting = (f"B={args.batch_size}, H={args.heads}, D={args.head_dim}, M={args.block_grid[0] * args.block_grid[1]}, "
-               f"{args.device}, {args.dtype}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+               f"{args.device}, {args.dtype}{', compiled' if args.compile else ''}, {torch.get_num_threads()} threads, "
+               f"torch {torch.__version__}")
     table = markdown_table(rows, args.methods, args.sizes)
     goals = ["| target | measured | goal | met |", "|---|---|---|---|"]
     for name, value, goal, met in targets(rows):

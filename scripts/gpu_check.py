@@ -2,19 +2,22 @@
 
     python scripts/gpu_check.py                          # on a GPU machine: ~7.5 min on one H200 (estimated)
     python scripts/gpu_check.py --dry-run                # the environment and the plan; runs nothing
-    python scripts/gpu_check.py --smoke --device cpu     # every step with tiny settings (a few minutes on 2 cores)
-    python scripts/gpu_check.py --steps models-eager-1024 models-compiled-1024 --compile-sizes 224 1024
+    python scripts/gpu_check.py --smoke --device cpu     # the eager steps with tiny settings (minutes on 2 cores)
+    python scripts/gpu_check.py --steps models-eager-1024 models-compiled-1024
 
 Each step runs in a subprocess with a timeout, its output in ``<out-dir>/logs/<step>.log``: the CUDA-marked tests
 (``pytest -q -m cuda tests/``); ``scripts/benchmark_attention.py`` (SDPA, linear attention and MHLA at 196,
-1,024, 4,096 and 16,384 tokens, B = 8, H = 3, D = 64); ``scripts/benchmark.py`` at 224, 512, 1024 and 2048 px
-(timm's DeiT-T, our softmax DeiT-T, linear attention with LePE and MHLA; batch 256, 64, 16 and 4) and, compiled,
-at ``--compile-sizes`` (default 224 px: timm's DeiT-T and MHLA). A step that fails, runs out of memory or runs
-over its timeout (it is killed with its children) prints one line naming it, and the check goes on; the exit code
-is 1 if any step failed. ``--time-limit`` bounds the whole check: a step gets at most the time left, and a step
-with none left is not run (and fails). The steps run in order of importance: the tests, the op, the models at
-224 and 1024 px (the targets), compiled at 224 px, then 512 and 2048 px. A step first deletes its earlier output
-directory, and the report reads every result under ``--out-dir``, so ``--steps`` completes an earlier report.
+1,024, 4,096 and 16,384 tokens, B = 8, H = 3, D = 64), eager and compiled; ``scripts/benchmark.py`` at 224, 512,
+1024 and 2048 px (timm's DeiT-T, our softmax DeiT-T, linear attention with LePE and MHLA; batch 256, 64, 16 and
+4) and, compiled block by block (``--compile blocks``: regional compilation, a quarter of the whole model's cold
+start), at ``--compile-sizes`` (default all four: MHLA and its target's baseline, timm's DeiT-T at 224 px and our
+softmax DeiT-T at the others). ``--no-compile`` leaves the compiled steps out (the default with ``--smoke``).
+A step that fails, runs out of memory or runs over its timeout (it is killed with its children) prints one line
+naming it, and the check goes on; the exit code is 1 if any step failed. ``--time-limit`` bounds the whole
+check: a step gets at most the time left, and a step with none left is not run (and fails). The steps run in
+order of importance: the tests, the op, the models eager and compiled at 224 and 1024 px (the targets), the op
+compiled, then 512 and 2048 px. A step first deletes its earlier output directory, and the report reads every
+result under ``--out-dir``, so ``--steps`` completes an earlier report.
 
 Writes ``--out`` (default ``<out-dir>/gpu_report.md``): the environment, the steps, the test result, the tables
 read from the benchmarks' CSV files and the issue's targets, each "met" or "not met": the op at 4,096 tokens
@@ -45,13 +48,13 @@ MODELS = ["deit_tiny_patch16_224", "deit_tiny_softmax", "deit_tiny_linear_lepe",
 TIMM_DEIT, SOFTMAX, LINEAR, MHLA = MODELS
 # Images per batch at each resolution: about 50,000-65,000 tokens a batch.
 BATCH_SIZES = {224: 256, 512: 64, 1024: 16, 2048: 4}
-FIRST = (224, 1024)  # the targets' resolutions run first, then the compiled runs, then the others
+FIRST = (224, 1024)  # the targets' resolutions run first (eager, then compiled), then the others
 OP_SIZES = [196, 1024, 4096, 16384]  # the token counts of 224, 512, 1024 and 2048 px
 OP_METHODS = ["sdpa", "linear", "mhla"]
 MODEL_TIMING = dict(min_run_time=0.5, rounds=3)  # seconds of timed calls per model and mode, in interleaved rounds
 OP_TIMING = dict(min_run_time=0.3, rounds=3)
 # Expected seconds per step on one H200 (estimates, not measured: see docs/benchmarks.md, "Running the GPU check").
-EXPECTED = {"tests": 30, "attention": 80, "compiled": 150, 224: 40, 512: 40, 1024: 45, 2048: 65}
+EXPECTED = {"tests": 45, "attention": 25, "attention-compiled": 80, "eager": 20, "compiled": 55}
 SMOKE = dict(batch_sizes={64: 2}, op_sizes=[64, 256], timing=dict(min_run_time=0.05, rounds=2))
 TIME_LIMIT = 470  # s: the whole check stays under 8 minutes
 OOM_MARKERS = ("out of memory", "outofmemoryerror")
@@ -92,7 +95,8 @@ def _relative(arg: str) -> str:
 
 
 def compiled_models(size: int) -> list[str]:
-    """What the compiled run at ``size`` times: MHLA and its target's baseline (timm's DeiT-T at 224 px)."""
+    """What the compiled run at ``size`` times: its target's baseline (timm's DeiT-T at 224 px, else our softmax
+    DeiT-T on FlashAttention) and MHLA."""
     return [TIMM_DEIT if size == 224 else SOFTMAX, MHLA]
 
 
@@ -114,22 +118,26 @@ def plan(args: argparse.Namespace) -> list[Step]:
         cmd = [python, "scripts/benchmark.py", *common, "--models", *(compiled_models(size) if compiled else MODELS),
                "--img-sizes", str(size), "--batch-size", str(batch_sizes[size]), *timing(model_timing),
                "--out-dir", str(out_dir)]
-        if compiled:  # no fresh-process memory workers: each would compile again
-            cmd += ["--compile", "--no-memory"]
-        estimate = EXPECTED["compiled"] if compiled else EXPECTED.get(size, 40)
-        return Step(f"models-{kind}-{size}", cmd, timeout=300 if compiled else 150, estimate=estimate,
+        if compiled:  # on the CPU, no fresh-process memory workers: each would compile again
+            cmd += ["--compile", "blocks"] + ([] if torch.device(args.device).type == "cuda" else ["--no-memory"])
+        return Step(f"models-{kind}-{size}", cmd, timeout=300 if compiled else 150, estimate=EXPECTED[kind],
                     out_dir=out_dir)
 
-    steps = [
-        Step("tests", [python, "-m", "pytest", "-q", "-m", "cuda", "tests/", "-p", "no:cacheprovider"],
-             timeout=180, estimate=EXPECTED["tests"]),
-        Step("attention", [python, "scripts/benchmark_attention.py", *common, "--sizes", *map(str, op_sizes),
-                           "--methods", *OP_METHODS, *timing(op_timing), "--out-dir", str(args.out_dir / "attention")],
-             timeout=180, estimate=EXPECTED["attention"], out_dir=args.out_dir / "attention"),
-    ]
-    steps += [models_step(size, False) for size in batch_sizes if size in FIRST]
-    steps += [models_step(size, True) for size in args.compile_sizes]
-    steps += [models_step(size, False) for size in batch_sizes if size not in FIRST]
+    def attention_step(compiled: bool) -> Step:
+        name = "attention-compiled" if compiled else "attention"
+        cmd = [python, "scripts/benchmark_attention.py", *common, "--sizes", *map(str, op_sizes),
+               "--methods", *OP_METHODS, *timing(op_timing), "--out-dir", str(args.out_dir / name)]
+        return Step(name, cmd + (["--compile"] if compiled else []), timeout=300 if compiled else 180,
+                    estimate=EXPECTED[name], out_dir=args.out_dir / name)
+
+    sizes = list(batch_sizes)
+    steps = [Step("tests", [python, "-m", "pytest", "-q", "-m", "cuda", "tests/", "-p", "no:cacheprovider"],
+                  timeout=180, estimate=EXPECTED["tests"]), attention_step(False)]
+    for first in (True, False):
+        steps += [models_step(size, False) for size in sizes if (size in FIRST) == first]
+        steps += [models_step(size, True) for size in args.compile_sizes if (size in FIRST) == first]
+        if first and not args.no_compile:
+            steps.append(attention_step(True))
     return steps
 
 
@@ -141,8 +149,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out-dir", type=Path, default=Path("outputs/gpu_check"),
                         help="the benchmarks' outputs, the logs and (by default) the report")
     parser.add_argument("--out", type=Path, default=None, help="the report (default: <out-dir>/gpu_report.md)")
-    parser.add_argument("--compile-sizes", type=int, nargs="*", default=None,
-                        help="resolutions of the compiled model benchmark (default: 224; none with --smoke)")
+    parser.add_argument("--compile-sizes", type=int, nargs="+", default=None,
+                        help="resolutions of the compiled model benchmark (default: all of the check's)")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="no compiled step, of the models or the op (the default with --smoke)")
     parser.add_argument("--steps", nargs="+", default=None, help="run only these steps (names: --dry-run)")
     parser.add_argument("--time-limit", type=float, default=TIME_LIMIT, help="seconds for all the steps together")
     parser.add_argument("--smoke", action="store_true",
@@ -153,8 +163,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.out_dir = args.out_dir.resolve()
     args.out = (args.out or args.out_dir / "gpu_report.md").resolve()
     sizes = SMOKE["batch_sizes"] if args.smoke else BATCH_SIZES
-    if args.compile_sizes is None:
-        args.compile_sizes = [] if args.smoke else [224]
+    if args.no_compile and args.compile_sizes is not None:
+        parser.error("--compile-sizes and --no-compile exclude each other")
+    if args.smoke and args.compile_sizes is None:
+        args.no_compile = True
+    if args.no_compile:
+        args.compile_sizes = []
+    elif args.compile_sizes is None:
+        args.compile_sizes = list(sizes)
     for size in args.compile_sizes:
         if size not in sizes:
             parser.error(f"--compile-sizes: {size} is not one of the check's resolutions {sorted(sizes)}")
@@ -321,36 +337,46 @@ def _read_csv(path: Path) -> list[dict]:
 
 
 def read_model_rows(out_dir: Path) -> list[dict]:
-    """Every row of ``<out-dir>/models/*/benchmark.csv`` (``scripts/benchmark.py``), numbers parsed."""
+    """Every row of ``<out-dir>/models/*/benchmark.csv`` (``scripts/benchmark.py``), numbers parsed; ``compiled``
+    says whether its ``compile`` is other than "none"."""
     rows = []
     for path in sorted((out_dir / "models").glob("*/benchmark.csv")):
         for r in _read_csv(path):
             rows.append(dict(r, img_size=int(r["img_size"]), batch_size=int(r["batch_size"]),
-                             compile=r["compile"] == "True",
+                             compiled=r["compile"] != "none",
                              **{key: float(r[key]) for key in ("step_ms", "spread_pct", "img_per_s", "peak_mib")}))
     return rows
 
 
 def read_op_rows(out_dir: Path) -> list[dict]:
-    """The rows of ``<out-dir>/attention/attention_benchmark.csv`` (``scripts/benchmark_attention.py``)."""
-    path = out_dir / "attention" / "attention_benchmark.csv"
-    if not path.exists():
-        return []
-    return [dict(r, n=int(r["n"]), **{key: float(r[key]) for key in ("time_ms", "spread_pct", "peak_mib")})
-            for r in _read_csv(path)]
+    """The rows of ``<out-dir>/attention{,-compiled}/attention_benchmark.csv`` (``scripts/benchmark_attention.py``),
+    each with ``compiled`` set."""
+    rows = []
+    for compiled, name in ((False, "attention"), (True, "attention-compiled")):
+        path = out_dir / name / "attention_benchmark.csv"
+        if path.exists():
+            rows += [dict(r, n=int(r["n"]), compiled=compiled,
+                          **{key: float(r[key]) for key in ("time_ms", "spread_pct", "peak_mib")})
+                     for r in _read_csv(path)]
+    return rows
 
 
 def targets(model_rows: list[dict], op_rows: list[dict]) -> list[Target]:
     """The issue's three targets (listed, measured or not), then MHLA / linear time and the peak memory ratios."""
-    models = {(r["model"], r["img_size"], r["mode"], r["compile"]): r for r in model_rows}
-    op = {(r["method"], r["n"], r["mode"]): r["time_ms"] for r in op_rows}
+    models = {(r["model"], r["img_size"], r["mode"], r["compiled"]): r for r in model_rows}
+    op = {(r["method"], r["n"], r["mode"], r["compiled"]): r["time_ms"] for r in op_rows}
+    op_kinds = [False] + ([True] if any(compiled for *_, compiled in op) else [])
 
     def model(name, size, mode, compiled, key):
         row = models.get((name, size, mode, compiled))
         return None if row is None else row[key]
 
-    found = [_target("op, 4,096 tokens, forward + backward: SDPA time / MHLA time",
-                     op.get(("sdpa", 4096, "train")), op.get(("mhla", 4096, "train")), ">= 5")]
+    def kind(compiled):
+        return "compiled" if compiled else "eager"
+
+    found = [_target(f"op, 4,096 tokens, forward + backward, {kind(compiled)}: SDPA time / MHLA time",
+                     op.get(("sdpa", 4096, "train", compiled)), op.get(("mhla", 4096, "train", compiled)), ">= 5")
+             for compiled in op_kinds]
     for mode in ("train", "inference"):
         found.append(_target(f"{MHLA} / {TIMM_DEIT} throughput, 224 px, compiled, {mode}",
                              model(MHLA, 224, mode, True, "img_per_s"), model(TIMM_DEIT, 224, mode, True, "img_per_s"),
@@ -361,21 +387,20 @@ def targets(model_rows: list[dict], op_rows: list[dict]) -> list[Target]:
             found.append(_target(f"{SOFTMAX} / {MHLA} step time, 1024 px, {'compiled' if compiled else 'eager'}, "
                                  f"{mode}", model(SOFTMAX, 1024, mode, compiled, "step_ms"),
                                  model(MHLA, 1024, mode, compiled, "step_ms"), ">= 3"))
-    for n in sorted({n for _, n, _ in op}):
-        if ("mhla", n, "train") in op and ("linear", n, "train") in op:
-            found.append(_target(f"op, {n:,} tokens, forward + backward: MHLA time / linear time",
-                                 op[("mhla", n, "train")], op[("linear", n, "train")], "<= 1.25"))
+    for compiled, n in sorted({(compiled, n) for _, n, _, compiled in op}):
+        if ("mhla", n, "train", compiled) in op and ("linear", n, "train", compiled) in op:
+            found.append(_target(f"op, {n:,} tokens, forward + backward, {kind(compiled)}: MHLA time / linear time",
+                                 op[("mhla", n, "train", compiled)], op[("linear", n, "train", compiled)], "<= 1.25"))
     for size, compiled in sorted({(size, compiled) for _, size, _, compiled in models}, key=lambda k: (k[1], k[0])):
-        kind = "compiled" if compiled else "eager"
         for mode in ("train", "inference"):
             if (MHLA, size, mode, compiled) in models and (LINEAR, size, mode, compiled) in models:
-                found.append(_target(f"{MHLA} / {LINEAR} step time, {size} px, {kind}, {mode}",
+                found.append(_target(f"{MHLA} / {LINEAR} step time, {size} px, {kind(compiled)}, {mode}",
                                      model(MHLA, size, mode, compiled, "step_ms"),
                                      model(LINEAR, size, mode, compiled, "step_ms"), "<= 1.15"))
         for name in (MHLA, LINEAR):
             peak, softmax_peak = (model(n, size, "train", compiled, "peak_mib") for n in (name, SOFTMAX))
             if peak is not None and softmax_peak is not None and math.isfinite(peak) and math.isfinite(softmax_peak):
-                found.append(_target(f"{name} / {SOFTMAX} training peak memory, {size} px, {kind}",
+                found.append(_target(f"{name} / {SOFTMAX} training peak memory, {size} px, {kind(compiled)}",
                                      peak, softmax_peak, "<= 1"))
     return found
 
@@ -418,8 +443,11 @@ def op_table(rows: list[dict]) -> list[str]:
 def model_table(rows: list[dict]) -> list[str]:
     by_key = {(r["model"], r["img_size"], r["compile"], r["mode"]): r for r in rows}
     body = []
-    for size, compiled, name in sorted({(r["img_size"], r["compile"], r["model"]) for r in rows},
-                                       key=lambda k: (k[0], k[1], MODELS.index(k[2]) if k[2] in MODELS else 99)):
+    def order(key):
+        size, compiled, name = key
+        return size, compiled != "none", MODELS.index(name) if name in MODELS else len(MODELS)
+
+    for size, compiled, name in sorted({(r["img_size"], r["compile"], r["model"]) for r in rows}, key=order):
         inference, train = by_key.get((name, size, compiled, "inference")), by_key.get((name, size, compiled, "train"))
         any_row = inference or train
 
@@ -427,7 +455,7 @@ def model_table(rows: list[dict]) -> list[str]:
             return _number(None if row is None else row[key], digits)
 
         spread = "" if train is None else f" ({train['spread_pct']:.0f}%)"
-        body.append([name, str(size), str(any_row["batch_size"]), "yes" if compiled else "no",
+        body.append([name, str(size), str(any_row["batch_size"]), "no" if compiled == "none" else compiled,
                      get(inference, "img_per_s"), get(train, "img_per_s"), get(train, "step_ms") + spread,
                      get(inference, "peak_mib", 0), get(train, "peak_mib", 0)])
     return _table(["model", "px", "batch", "compiled", "inference img/s", "train img/s", "train step ms (spread)",
@@ -469,16 +497,19 @@ def build_report(env: dict[str, str], steps: list[Step], results: list[StepResul
     lines += tests_summary(None if tests is None else tests.log)
 
     lines += ["", "## The attention op", ""]
-    op_md = out_dir / "attention" / "attention_benchmark.md"
-    if op_rows:
-        setting = op_md.read_text().splitlines()[0] if op_md.exists() else ""
-        lines += ([setting, ""] if setting else []) + op_table(op_rows)
-    else:
+    if not op_rows:
         lines.append("not measured")
-    lines += ["", "## The models", ""]
+    for compiled, name in ((False, "attention"), (True, "attention-compiled")):
+        rows = [r for r in op_rows if r["compiled"] == compiled]
+        if rows:
+            op_md = out_dir / name / "attention_benchmark.md"
+            setting = op_md.read_text().splitlines()[0] if op_md.exists() else ""
+            lines += ([setting, ""] if setting else []) + op_table(rows) + [""]
+    lines += ["## The models", ""]
     if model_rows:
         lines += [f"{dtype} autocast; inference and training-step throughput, medians of interleaved rounds; "
-                  "peak memory of each in a fresh process (— : not measured, the compiled runs skip it).", ""]
+                  "the peak memory each adds to what is in use (on CUDA read in the benchmark's process; — : not "
+                  "measured).", ""]
         lines += model_table(model_rows)
     else:
         lines.append("not measured")

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from helpers import ROOT, load_script
 
 benchmark_attention = load_script("benchmark_attention")
@@ -46,3 +47,67 @@ def test_non_square_size_is_refused(capsys):
         benchmark_attention.parse_args(["--sizes", "200"])
     assert exc.value.code == 2
     assert "200 is not a square number of tokens" in capsys.readouterr().err
+
+
+def test_compile_compiles_each_op_once_for_every_size_and_mode(tmp_path, monkeypatch):
+    """``--compile``: one ``torch.compile`` per op (static shapes), shared by every N and mode, and room for
+    all their graphs (past dynamo's limit it would run them eagerly); the timed calls go through it."""
+    from mhla import linear_attention, mhla_attention
+
+    compiled, calls = [], []
+
+    def fake_compile(fn, dynamic=None):
+        compiled.append((fn, dynamic))
+
+        def run(*args, **kwargs):
+            calls.append(fn)
+            return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    monkeypatch.setattr(benchmark_attention, "measure_memory", lambda args, method, n, mode: 1.0)
+    monkeypatch.setattr(benchmark_attention.bench, "keep_freed_memory", lambda: True)
+    for key in ("recompile_limit", "fail_on_recompile_limit_hit"):
+        monkeypatch.setattr(torch._dynamo.config, key, getattr(torch._dynamo.config, key))
+    benchmark_attention.op.cache_clear()
+    try:
+        benchmark_attention.main(["--sizes", "16", "64", "--methods", "linear", "mhla", "--batch-size", "1",
+                                  "--heads", "1", "--head-dim", "8", "--block-grid", "2", "2", "--min-run-time",
+                                  "0.01", "--rounds", "1", "--compile", "--no-plot", "--out-dir", str(tmp_path)])
+    finally:
+        benchmark_attention.op.cache_clear()
+    assert compiled == [(linear_attention, False), (mhla_attention, False)]
+    assert set(calls) == {linear_attention, mhla_attention}
+    assert torch._dynamo.config.recompile_limit >= 6 and torch._dynamo.config.fail_on_recompile_limit_hit
+    assert "cpu, float32, compiled," in (tmp_path / "attention_benchmark.md").read_text()
+
+
+def test_on_cuda_the_timed_calls_give_the_peak_memory_in_process(tmp_path, monkeypatch):
+    built, measured = [], []
+
+    def build_call(method, n, mode, args):
+        built.append(lambda: None)
+        built[-1].key = (method, n, mode)
+        return built[-1]
+
+    def peak(call, device):
+        measured.append(call)
+        assert device == torch.device("cuda")
+        return call.key[1] * 2 ** 20
+
+    def memory_worker(*args):
+        raise AssertionError("started a memory worker")
+
+    monkeypatch.setattr(benchmark_attention, "build_call", build_call)
+    monkeypatch.setattr(benchmark_attention.bench, "time_interleaved",
+                        lambda calls, min_run_time, rounds: {key: (1.0, 0.0) for key in calls})
+    monkeypatch.setattr(benchmark_attention.bench, "peak_memory", peak)
+    monkeypatch.setattr(benchmark_attention.bench, "keep_freed_memory", lambda: True)
+    monkeypatch.setattr(benchmark_attention, "measure_memory", memory_worker)
+    benchmark_attention.main(["--sizes", "16", "64", "--methods", "linear", "mhla", "--device", "cuda",
+                              "--no-plot", "--out-dir", str(tmp_path)])
+    assert measured == built and len(built) == 8
+    with open(tmp_path / "attention_benchmark.csv") as f:
+        assert {(r["method"], r["n"], r["mode"], r["peak_mib"]) for r in csv.DictReader(f)} == {
+            (m, str(n), mode, f"{float(n)}")
+            for m in ("linear", "mhla") for n in (16, 64) for mode in ("forward", "train")}

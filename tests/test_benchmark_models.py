@@ -5,7 +5,12 @@ import subprocess
 import sys
 
 import pytest
+import timm
+import torch
 from helpers import ROOT, load_script
+
+import models  # noqa: F401  (registers the models)
+from mhla.flops import count_macs
 
 SCRIPT = ROOT / "scripts" / "benchmark.py"
 
@@ -71,22 +76,84 @@ def test_bad_arguments(tmp_path):
         assert proc.returncode == 2 and message in proc.stderr
 
 
-def test_no_memory_runs_no_memory_worker_and_leaves_the_memory_ratios_out(tmp_path, monkeypatch):
-    """``--no-memory`` (the GPU check's compiled runs, where each worker would compile again): NaN peaks."""
-    script = load_script("benchmark")
-    monkeypatch.setattr(script.bench, "keep_freed_memory", lambda: True)  # leave this process's allocator alone
-    monkeypatch.setattr(script, "measure_times",
-                        lambda args, size: {(name, mode): (10.0, 1.0) for name in args.models for mode in script.MODES})
-    monkeypatch.setattr(script, "measure_kept", lambda args, name, size: (1.0, 5.0))
+def _fake_measurements(script, monkeypatch, peak=None):
+    """Calls that compute nothing, fixed times and kept memory; memory workers refused; ``peak``: call -> bytes."""
+    calls = []
+
+    def build_call(name, size, mode, args):
+        calls.append(lambda: None)
+        calls[-1].key = (name, mode)
+        return calls[-1]
 
     def memory_worker(*args):
         raise AssertionError("started a memory worker")
 
+    monkeypatch.setattr(script.bench, "keep_freed_memory", lambda: True)  # leave this process's allocator alone
+    monkeypatch.setattr(script, "build_call", build_call)
+    monkeypatch.setattr(script.bench, "time_interleaved",
+                        lambda calls, min_run_time, rounds: {key: (10.0, 1.0) for key in calls})
+    monkeypatch.setattr(script, "measure_kept", lambda args, name, size: (1.0, 5.0))
     monkeypatch.setattr(script, "measure_memory", memory_worker)
+    for key in ("recompile_limit", "fail_on_recompile_limit_hit"):  # restored after the test
+        monkeypatch.setattr(torch._dynamo.config, key, getattr(torch._dynamo.config, key))
+    if peak is not None:
+        monkeypatch.setattr(script.bench, "peak_memory", lambda call, device: peak(call, device))
+    return calls
+
+
+def _rows(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def test_no_memory_runs_no_memory_worker_and_leaves_the_memory_ratios_out(tmp_path, monkeypatch):
+    """``--no-memory``: NaN peaks, no memory measured at all."""
+    script = load_script("benchmark")
+    _fake_measurements(script, monkeypatch, peak=lambda call, device: pytest.fail("measured a peak"))
     assert script.main(["--models", "deit_tiny_softmax", "deit_tiny_mhla", "--img-sizes", "64", "--no-memory",
                         "--no-plot", "--out-dir", str(tmp_path)]) == 0
-    with open(tmp_path / "benchmark.csv") as f:
-        rows = list(csv.DictReader(f))
+    rows = _rows(tmp_path / "benchmark.csv")
     assert len(rows) == 4 and all(row["peak_mib"] == "nan" for row in rows)
     ratios = json.loads((tmp_path / "benchmark.json").read_text())["ratios"]
     assert [r["ratio"] for r in ratios] == ["deit_tiny_softmax / deit_tiny_mhla step time (speed-up)"] * 2
+
+
+def test_on_cuda_the_timed_calls_give_the_peak_memory_in_process(tmp_path, monkeypatch):
+    """On CUDA no fresh process: the very calls that were timed (a compiled model is not compiled again) are
+    measured, each once, in this process; the CSV is written after each resolution."""
+    script = load_script("benchmark")
+    measured = []
+
+    def peak(call, device):
+        measured.append(call)
+        assert device == torch.device("cuda")
+        return {"inference": 1, "train": 3}[call.key[1]] * 2 ** 20 * (2 if call.key[0] == "deit_tiny_mhla" else 1)
+
+    calls = _fake_measurements(script, monkeypatch, peak)
+    written = []
+    monkeypatch.setattr(script, "write_csv", lambda rows, path: written.append(len(rows)))
+    assert script.main(["--models", "deit_tiny_softmax", "deit_tiny_mhla", "--img-sizes", "64", "96",
+                        "--device", "cuda", "--compile", "blocks", "--no-plot", "--out-dir", str(tmp_path)]) == 0
+    assert measured == calls and len(calls) == 8  # 2 models x 2 modes x 2 sizes, each call built and measured once
+    assert written == [4, 8]
+    assert torch._dynamo.config.recompile_limit >= 8 and torch._dynamo.config.fail_on_recompile_limit_hit
+    rows = json.loads((tmp_path / "benchmark.json").read_text())["rows"]
+    assert [(r["model"], r["img_size"], r["mode"], r["peak_mib"], r["compile"]) for r in rows[:4]] == [
+        ("deit_tiny_softmax", 64, "inference", 1.0, "blocks"), ("deit_tiny_softmax", 64, "train", 3.0, "blocks"),
+        ("deit_tiny_mhla", 64, "inference", 2.0, "blocks"), ("deit_tiny_mhla", 64, "train", 6.0, "blocks")]
+    memory = [r for r in json.loads((tmp_path / "benchmark.json").read_text())["ratios"] if "memory" in r["ratio"]]
+    assert [(r["img_size"], r["value"]) for r in memory] == [(64, 2.0), (96, 2.0)]
+
+
+def test_the_compile_flag(tmp_path):
+    script = load_script("benchmark")
+    assert [script.parse_args(argv).compile for argv in ([], ["--compile"], ["--compile", "blocks"],
+                                                         ["--compile", "--no-memory"])] == [
+        "none", "model", "blocks", "model"]
+
+
+def test_macs_and_parameters_are_counted_on_the_meta_device():
+    script = load_script("benchmark")
+    model = timm.create_model("deit_tiny_mhla", img_size=64).eval()
+    params = sum(p.numel() for p in model.parameters()) / 1e6
+    assert script.model_size("deit_tiny_mhla", 64) == (params, count_macs(model, (3, 64, 64)) / 1e9)

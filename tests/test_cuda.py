@@ -12,7 +12,7 @@ import pytest
 import timm
 import torch
 import torch.nn.functional as F
-from helpers import rel_rms
+from helpers import load_script, rel_rms
 from torch.utils.data import DataLoader, TensorDataset
 
 import mhla.attention
@@ -251,3 +251,44 @@ def test_channels_last_gives_the_contiguous_output_and_gradient(dtype, tol):
         out_last, grad_last = run(candidate, x_last)
         assert grad_last.is_contiguous(memory_format=torch.channels_last)
         assert rel_rms(out_last, out) < tol and rel_rms(grad_last, grad) < tol
+
+
+# The benchmarks: compiled ops, in-process peak memory
+
+
+@pytest.mark.parametrize("method", ["linear", "mhla"])
+def test_compiled_op_matches_the_eager_op_in_bfloat16(method):
+    """What ``scripts/benchmark_attention.py --compile`` times: the op compiled (static shapes) gives the eager op's
+    output and gradients (bf16 inputs at 1,024 tokens, B = 2, H = 3, D = 64; MHLA with 4 x 4 blocks)."""
+    benchmark_attention = load_script("benchmark_attention")
+    shape = (2, H, 1024, C // H)
+    inputs = [torch.rand(shape), torch.rand(shape), torch.randn(shape)]
+    if method == "mhla":
+        layout = block_layout((32, 32), (4, 4))
+        inputs = [layout.to_blocks(t) for t in inputs] + [torch.rand(16, 16)]
+    grad_out = torch.randn(inputs[2].shape).to(DEVICE, torch.bfloat16)
+
+    def run(fn):
+        leaves = [t.to(DEVICE, torch.bfloat16) for t in inputs[:3]] + [t.to(DEVICE) for t in inputs[3:]]  # W: fp32
+        leaves = [t.requires_grad_() for t in leaves]
+        out = fn(*leaves)
+        return out, torch.autograd.grad(out, leaves, grad_out)
+
+    eager = run(benchmark_attention.op(method, False))
+    compiled = run(benchmark_attention.op(method, True))
+    for got, want in zip((compiled[0], *compiled[1]), (eager[0], *eager[1]), strict=True):
+        assert rel_rms(got, want) < TOL["op"][torch.bfloat16]
+
+
+def test_in_process_peak_memory_equals_a_fresh_process_s():
+    """On CUDA, ``scripts/benchmark.py`` reads the peak memory of the timed calls in its own process, beside the
+    other models' calls; a fresh process per call (what it does on the CPU) reads the same within 5%."""
+    benchmark = load_script("benchmark")
+    args = benchmark.parse_args(["--models", "deit_tiny_softmax", "deit_tiny_mhla", "--img-sizes", "224",
+                                 "--batch-size", "8", "--dtype", "bfloat16", "--device", DEVICE,
+                                 "--min-run-time", "0.05", "--rounds", "1"])
+    _, peaks = benchmark.measure_size(args, 224)
+    for mode in benchmark.MODES:  # MHLA's: two fresh processes
+        peak = peaks[("deit_tiny_mhla", mode)]
+        assert peak == pytest.approx(benchmark.measure_memory(args, "deit_tiny_mhla", 224, mode), rel=0.05), mode
+        assert peak > 1.0

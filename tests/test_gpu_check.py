@@ -24,39 +24,53 @@ def step(name: str, code: str, timeout: float = 30) -> "gpu_check.Step":
 def test_the_plan_is_what_the_benchmark_scripts_accept():
     args = gpu_check.parse_args(["--out-dir", "/tmp/check"])
     steps = gpu_check.plan(args)
-    assert [s.name for s in steps] == ["tests", "attention", "models-eager-224", "models-eager-1024",
-                                       "models-compiled-224", "models-eager-512", "models-eager-2048"]
+    assert [s.name for s in steps] == [
+        "tests", "attention", "models-eager-224", "models-eager-1024", "models-compiled-224", "models-compiled-1024",
+        "attention-compiled", "models-eager-512", "models-eager-2048", "models-compiled-512", "models-compiled-2048"]
     assert steps[0].cmd[1:] == ["-m", "pytest", "-q", "-m", "cuda", "tests/", "-p", "no:cacheprovider"]
-    op = load_script("benchmark_attention").parse_args(steps[1].cmd[2:])
-    assert (op.device, op.dtype, op.sizes, op.methods) == ("cuda", "bfloat16", [196, 1024, 4096, 16384],
-                                                           ["sdpa", "linear", "mhla"])
-    assert op.out_dir == Path("/tmp/check/attention")
+    benchmark_attention = load_script("benchmark_attention")
+    for s in (steps[1], steps[6]):
+        op = benchmark_attention.parse_args(s.cmd[2:])
+        assert (op.device, op.dtype, op.sizes, op.methods) == ("cuda", "bfloat16", [196, 1024, 4096, 16384],
+                                                               ["sdpa", "linear", "mhla"])
+        assert (op.out_dir, op.compile) == (Path("/tmp/check") / s.name, s.name == "attention-compiled")
     benchmark = load_script("benchmark")
     runs = {}
-    for s in steps[2:]:
-        parsed = benchmark.parse_args(s.cmd[2:])
-        assert (parsed.device, parsed.dtype, parsed.rounds) == ("cuda", "bfloat16", 3)
-        assert parsed.out_dir == Path("/tmp/check/models") / s.name.removeprefix("models-")
-        runs[s.name] = (parsed.img_sizes, parsed.batch_size, parsed.compile, parsed.no_memory, parsed.models)
+    for s in steps:
+        if s.name.startswith("models-"):
+            parsed = benchmark.parse_args(s.cmd[2:])
+            assert (parsed.device, parsed.dtype, parsed.rounds) == ("cuda", "bfloat16", 3)
+            assert parsed.out_dir == Path("/tmp/check/models") / s.name.removeprefix("models-")
+            runs[s.name] = (parsed.img_sizes, parsed.batch_size, parsed.compile, parsed.no_memory, parsed.models)
     everything = ["deit_tiny_patch16_224", "deit_tiny_softmax", "deit_tiny_linear_lepe", "deit_tiny_mhla"]
+    softmax_mhla = ["deit_tiny_softmax", "deit_tiny_mhla"]
     assert runs == {
-        "models-eager-224": ([224], 256, False, False, everything),
-        "models-eager-512": ([512], 64, False, False, everything),
-        "models-eager-1024": ([1024], 16, False, False, everything),
-        "models-eager-2048": ([2048], 4, False, False, everything),
-        "models-compiled-224": ([224], 256, True, True, ["deit_tiny_patch16_224", "deit_tiny_mhla"]),
+        "models-eager-224": ([224], 256, "none", False, everything),
+        "models-eager-512": ([512], 64, "none", False, everything),
+        "models-eager-1024": ([1024], 16, "none", False, everything),
+        "models-eager-2048": ([2048], 4, "none", False, everything),
+        "models-compiled-224": ([224], 256, "blocks", False, ["deit_tiny_patch16_224", "deit_tiny_mhla"]),
+        "models-compiled-512": ([512], 64, "blocks", False, softmax_mhla),
+        "models-compiled-1024": ([1024], 16, "blocks", False, softmax_mhla),
+        "models-compiled-2048": ([2048], 4, "blocks", False, softmax_mhla),
     }
     assert sum(s.estimate for s in steps) <= args.time_limit <= 480  # the whole check in 8 minutes
 
 
 def test_compile_sizes_steps_and_smoke():
-    args = gpu_check.parse_args(["--compile-sizes", "224", "1024", "--dtype", "float16"])
+    args = gpu_check.parse_args(["--compile-sizes", "2048", "--dtype", "float16"])
     compiled = [s for s in gpu_check.plan(args) if "compiled" in s.name]
-    assert [s.name for s in compiled] == ["models-compiled-224", "models-compiled-1024"]
-    assert compiled[1].cmd[compiled[1].cmd.index("--models") + 1:][:2] == ["deit_tiny_softmax", "deit_tiny_mhla"]
+    assert [s.name for s in compiled] == ["attention-compiled", "models-compiled-2048"]
     assert all(s.cmd[s.cmd.index("--dtype") + 1] == "float16" for s in compiled)
+    assert "compiled" not in str([s.name for s in gpu_check.plan(gpu_check.parse_args(["--no-compile"]))])
     smoke = gpu_check.plan(gpu_check.parse_args(["--smoke", "--device", "cpu"]))
     assert [s.name for s in smoke] == ["tests", "attention", "models-eager-64"]
+    smoke = gpu_check.plan(gpu_check.parse_args(["--smoke", "--device", "cpu", "--compile-sizes", "64"]))
+    assert [s.name for s in smoke] == ["tests", "attention", "attention-compiled", "models-eager-64",
+                                       "models-compiled-64"]
+    assert smoke[-1].cmd[-3:] == ["--compile", "blocks", "--no-memory"]  # on the CPU each memory process compiles
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--no-compile", "--compile-sizes", "224"])
     with pytest.raises(SystemExit):
         gpu_check.parse_args(["--compile-sizes", "384"])
     with pytest.raises(SystemExit):
@@ -162,7 +176,7 @@ def write_csv(path: Path, columns: list[str], rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
-def model_rows(size: int, batch: int, compiled: bool, steps: dict) -> list[dict]:
+def model_rows(size: int, batch: int, compiled: str, steps: dict) -> list[dict]:
     """``scripts/benchmark.py`` rows: ``steps`` maps (model, mode) to (step ms, peak MiB)."""
     columns = written_columns("benchmark")
     rows = [dict(model=model, img_size=size, mode=mode, batch_size=batch, dtype="bfloat16", compile=compiled,
@@ -176,10 +190,10 @@ def make_results(out_dir: Path) -> None:
     """The files a check writes: the three runs the targets read, the op's CSV and Markdown, the tests' log."""
     nan = math.nan
     columns = written_columns("benchmark")
-    write_csv(out_dir / "models" / "compiled-224" / "benchmark.csv", columns, model_rows(224, 256, True, {
+    write_csv(out_dir / "models" / "compiled-224" / "benchmark.csv", columns, model_rows(224, 256, "blocks", {
         ("deit_tiny_patch16_224", "inference"): (50.0, nan), ("deit_tiny_patch16_224", "train"): (100.0, nan),
         ("deit_tiny_mhla", "inference"): (52.0, nan), ("deit_tiny_mhla", "train"): (125.0, nan)}))
-    write_csv(out_dir / "models" / "eager-1024" / "benchmark.csv", columns, model_rows(1024, 16, False, {
+    write_csv(out_dir / "models" / "eager-1024" / "benchmark.csv", columns, model_rows(1024, 16, "none", {
         ("deit_tiny_softmax", "inference"): (90.0, 300.0), ("deit_tiny_softmax", "train"): (300.0, 1010.0),
         ("deit_tiny_linear_lepe", "inference"): (40.0, 290.0), ("deit_tiny_linear_lepe", "train"): (90.0, 1005.0),
         ("deit_tiny_mhla", "inference"): (45.0, 295.0), ("deit_tiny_mhla", "train"): (100.0, 1000.0)}))
@@ -192,6 +206,8 @@ def make_results(out_dir: Path) -> None:
     write_csv(out_dir / "attention" / "attention_benchmark.csv", op_columns, op_rows)
     (out_dir / "attention" / "attention_benchmark.md").write_text(
         "B=8, H=3, D=64, M=16, cuda, bfloat16, 16 threads, torch 2.14.1\n\n| N | ...\n")
+    compiled = [dict(row, time_ms=row["time_ms"] / (1 if row["method"] == "sdpa" else 2)) for row in op_rows]
+    write_csv(out_dir / "attention-compiled" / "attention_benchmark.csv", op_columns, compiled)
     (out_dir / "logs").mkdir(parents=True)
     (out_dir / "logs" / "tests.log").write_text(
         "$ python -m pytest -q -m cuda tests/ -p no:cacheprovider\n"
@@ -216,16 +232,18 @@ def test_the_report_reads_the_benchmarks_files_and_marks_each_target(tmp_path):
     assert "**1 of 2 steps failed**" in lines[2]
     assert "| GPU | NVIDIA H200, 139.8 GiB, compute capability 9.0, 1 device(s) |" in lines
     assert "| tests | `python -m pytest -q -m cuda tests/ -p no:cacheprovider` | FAILED tests: exit code 1 after " \
-           "31 s: 1 failed \\| x | 31 s | 30 s |" in lines
-    assert any(line.startswith("| models-eager-2048 | ") and line.endswith(" | not run |  | 65 s |") for line in lines)
+           "31 s: 1 failed \\| x | 31 s | 45 s |" in lines
+    assert any(line.startswith("| models-eager-2048 | ") and line.endswith(" | not run |  | 20 s |") for line in lines)
     for line in [
-        "| op, 4,096 tokens, forward + backward: SDPA time / MHLA time | 6.00 | >= 5 | met |",
+        "| op, 4,096 tokens, forward + backward, eager: SDPA time / MHLA time | 6.00 | >= 5 | met |",
+        "| op, 4,096 tokens, forward + backward, compiled: SDPA time / MHLA time | 12.00 | >= 5 | met |",
         "| deit_tiny_mhla / deit_tiny_patch16_224 throughput, 224 px, compiled, train | 0.80 | >= 0.9 | **not met** |",
         "| deit_tiny_mhla / deit_tiny_patch16_224 throughput, 224 px, compiled, inference | 0.96 | >= 0.9 | met |",
         "| deit_tiny_softmax / deit_tiny_mhla step time, 1024 px, eager, train | 3.00 | >= 3 | met |",
         "| deit_tiny_softmax / deit_tiny_mhla step time, 1024 px, eager, inference | 2.00 | >= 3 | **not met** |",
-        "| op, 196 tokens, forward + backward: MHLA time / linear time | 2.00 | <= 1.25 | **not met** |",
-        "| op, 4,096 tokens, forward + backward: MHLA time / linear time | 1.11 | <= 1.25 | met |",
+        "| op, 196 tokens, forward + backward, eager: MHLA time / linear time | 2.00 | <= 1.25 | **not met** |",
+        "| op, 4,096 tokens, forward + backward, eager: MHLA time / linear time | 1.11 | <= 1.25 | met |",
+        "| op, 4,096 tokens, forward + backward, compiled: MHLA time / linear time | 1.11 | <= 1.25 | met |",
         "| deit_tiny_mhla / deit_tiny_linear_lepe step time, 1024 px, eager, train | 1.11 | <= 1.15 | met |",
         "| deit_tiny_mhla / deit_tiny_linear_lepe step time, 1024 px, eager, inference | 1.12 | <= 1.15 | met |",
         "| deit_tiny_mhla / deit_tiny_softmax training peak memory, 1024 px, eager | 0.990 | <= 1 | met |",
@@ -235,7 +253,8 @@ def test_the_report_reads_the_benchmarks_files_and_marks_each_target(tmp_path):
         "[2.4, nan]`",
         "B=8, H=3, D=64, M=16, cuda, bfloat16, 16 threads, torch 2.14.1",
         "| 4,096 | 20.00 | 3.00 | 3.50 | 60.00 | 9.00 | 10.00 | 12.5 | 12.5 | 12.5 |",
-        "| deit_tiny_mhla | 224 | 256 | yes | 4,923.1 | 2,048.0 | 125.0 (3%) | — | — |",
+        "| 4,096 | 20.00 | 1.50 | 1.75 | 60.00 | 4.50 | 5.00 | 12.5 | 12.5 | 12.5 |",
+        "| deit_tiny_mhla | 224 | 256 | blocks | 4,923.1 | 2,048.0 | 125.0 (3%) | — | — |",
         "| deit_tiny_softmax | 1024 | 16 | no | 177.8 | 53.3 | 300.0 (3%) | 300 | 1,010 |",
     ]:
         assert line in lines, line
