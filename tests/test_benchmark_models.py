@@ -67,13 +67,14 @@ def test_ratios_and_targets():
     assert linear_memory["value"] == pytest.approx(0.1) and linear_memory["target"] == "<= 1" and linear_memory["met"]
 
 
-@pytest.mark.slow  # the script in a subprocess
-def test_bad_arguments(tmp_path):
+def test_bad_arguments(tmp_path, capsys):
     for args, message in ((["--models", "deit_tiny_nope"], "unknown model 'deit_tiny_nope'"),
-                          (["--img-sizes", "100"], "100 is not divisible by the patch size 16")):
-        proc = subprocess.run([sys.executable, str(SCRIPT), *args, "--out-dir", str(tmp_path)], capture_output=True,
-                              text=True, cwd=ROOT, timeout=120)
-        assert proc.returncode == 2 and message in proc.stderr
+                          (["--img-sizes", "100"], "100 is not divisible by the patch size 16"),
+                          (["--compile", "regional"], "argument --compile: invalid choice: 'regional'")):
+        with pytest.raises(SystemExit) as exc:
+            load_script("benchmark").main([*args, "--out-dir", str(tmp_path)])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
 
 
 def _fake_measurements(script, monkeypatch, peak=None):

@@ -108,13 +108,13 @@ def test_bad_config_from_the_command_line_has_no_traceback(tmp_path):
     assert not (tmp_path / "output").exists()
 
 
-@pytest.mark.slow  # train.py in a subprocess
-def test_missing_config_and_missing_resume(tmp_path):
-    proc = run_train("--config", str(tmp_path / "none.yaml"), timeout=120)
-    assert proc.returncode == 2 and "config file" in proc.stderr and "does not exist" in proc.stderr
+def test_missing_config_and_missing_resume(tmp_path, capsys):
+    assert train.main(["--config", str(tmp_path / "none.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "config file" in err and "does not exist" in err
     config = tiny_config(tmp_path, make_image_folder(tmp_path / "data"))
-    proc = run_train("--config", str(config), "--resume", str(tmp_path / "nope.pth"), timeout=120)
-    assert proc.returncode == 2 and "--resume: checkpoint" in proc.stderr
+    assert train.main(["--config", str(config), "--resume", str(tmp_path / "nope.pth")]) == 2
+    assert "--resume: checkpoint" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
