@@ -7,6 +7,7 @@ call (Linux: the peak counter is reset just before it), measured after ``return_
 that resident memory follows the live tensors; ``peak_memory_in_worker`` takes each figure in a
 fresh process, so that no measurement inherits another's memory.
 """
+import csv
 import ctypes
 import ctypes.util
 import resource
@@ -22,7 +23,7 @@ import torch
 
 __all__ = ["Timing", "allow_compiled_variants", "keep_freed_memory", "peak_memory", "peak_memory_in_worker",
            "plot_log_log", "release_freed_memory", "return_freed_memory", "saved_bytes", "time_call",
-           "time_interleaved"]
+           "time_interleaved", "write_csv"]
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
@@ -119,6 +120,15 @@ def peak_memory_in_worker(cmd: list[str], what: str) -> float:
     if proc.returncode != 0:
         raise RuntimeError(f"{what} failed:\n{proc.stderr[-2000:]}")
     return float(proc.stdout.strip().splitlines()[-1])
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    """``rows`` (dicts with the same keys) as a CSV file; the scripts call it after each size, so that what is
+    measured so far survives a later size's failure."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 def plot_log_log(rows: list[dict], *, x: str, y: str, series: str, panel: str, panels: dict[str, str], path: Path,

@@ -20,7 +20,6 @@ process).
 """
 import argparse
 import contextlib
-import csv
 import json
 import math
 import sys
@@ -163,13 +162,6 @@ def model_size(name: str, size: int) -> tuple[float, float]:
     return sum(p.numel() for p in model.parameters()) / 1e6, count_macs(model, (3, size, size)) / 1e9
 
 
-def write_csv(rows: list[dict], path: Path) -> None:
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-
-
 def ratios(rows: list[dict]) -> list[dict]:
     """MHLA against its baselines wherever both were measured: ratio, target and whether it is met.
 
@@ -233,7 +225,7 @@ def main(argv=None) -> int:
                                  params_m=params, gmacs=gmacs, kept_mib=kept_mib, attn_kept_c=attn_kept_c))
                 print(f"{name:>24} {size:>5}px {mode:<9} {ms:10.1f} ms {rows[-1]['img_per_s']:9.1f} img/s "
                       f"{rows[-1]['peak_mib']:9.1f} MiB", file=sys.stderr)
-        write_csv(rows, args.out_dir / "benchmark.csv")  # what is measured so far survives a later size's failure
+        bench.write_csv(rows, args.out_dir / "benchmark.csv")
     found = ratios(rows)
     (args.out_dir / "benchmark.json").write_text(json.dumps(dict(rows=rows, ratios=found), indent=2) + "\n")
     lines = [f"{args.device}, {args.dtype}, batch {args.batch_size}, {torch.get_num_threads()} threads, "

@@ -19,7 +19,6 @@ prints the Markdown table and the targets (MHLA <= 1.25x linear, SDPA/MHLA >= 20
 <= 1.3x SDPA at N = 196, MHLA peak memory at N = 16384 <= 20x its N = 1024 figure).
 """
 import argparse
-import csv
 import functools
 import math
 import sys
@@ -229,10 +228,7 @@ def main(argv=None) -> None:
                 rows.append(dict(method=method, n=n, mode=mode, time_ms=time_ms, spread_pct=spread, peak_mib=peak))
                 print(f"{method:>11} N={n:<6} {mode:<7} {time_ms:10.2f} ms (spread {spread:3.0f}%) {peak:9.1f} MiB",
                       file=sys.stderr)
-        with open(args.out_dir / "attention_benchmark.csv", "w", newline="") as f:  # rewritten after each N
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        bench.write_csv(rows, args.out_dir / "attention_benchmark.csv")
     setting = (f"B={args.batch_size}, H={args.heads}, D={args.head_dim}, M={args.block_grid[0] * args.block_grid[1]}, "
                f"{args.device}, {args.dtype}{', compiled' if args.compile else ''}, {torch.get_num_threads()} threads, "
                f"torch {torch.__version__}")

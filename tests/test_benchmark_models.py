@@ -132,7 +132,7 @@ def test_on_cuda_the_timed_calls_give_the_peak_memory_in_process(tmp_path, monke
 
     calls = _fake_measurements(script, monkeypatch, peak)
     written = []
-    monkeypatch.setattr(script, "write_csv", lambda rows, path: written.append(len(rows)))
+    monkeypatch.setattr(script.bench, "write_csv", lambda rows, path: written.append(len(rows)))
     assert script.main(["--models", "deit_tiny_softmax", "deit_tiny_mhla", "--img-sizes", "64", "96",
                         "--device", "cuda", "--compile", "blocks", "--no-plot", "--out-dir", str(tmp_path)]) == 0
     assert measured == calls and len(calls) == 8  # 2 models x 2 modes x 2 sizes, each call built and measured once
