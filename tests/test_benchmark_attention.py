@@ -49,7 +49,7 @@ def test_non_square_size_is_refused(capsys):
     assert "200 is not a square number of tokens" in capsys.readouterr().err
 
 
-def test_compile_compiles_each_op_once_for_every_size_and_mode(tmp_path, monkeypatch):
+def test_compile_compiles_each_op_once_for_every_size_and_mode(tmp_path, monkeypatch, restore_dynamo_limits):
     """``--compile``: one ``torch.compile`` per op (static shapes), shared by every N and mode, and room for
     all their graphs (past dynamo's limit it would run them eagerly); the timed calls go through it."""
     from mhla import linear_attention, mhla_attention
@@ -67,8 +67,6 @@ def test_compile_compiles_each_op_once_for_every_size_and_mode(tmp_path, monkeyp
     monkeypatch.setattr(torch, "compile", fake_compile)
     monkeypatch.setattr(benchmark_attention, "measure_memory", lambda args, method, n, mode: 1.0)
     monkeypatch.setattr(benchmark_attention.bench, "keep_freed_memory", lambda: True)
-    for key in ("recompile_limit", "fail_on_recompile_limit_hit"):
-        monkeypatch.setattr(torch._dynamo.config, key, getattr(torch._dynamo.config, key))
     benchmark_attention.op.cache_clear()
     try:
         benchmark_attention.main(["--sizes", "16", "64", "--methods", "linear", "mhla", "--batch-size", "1",

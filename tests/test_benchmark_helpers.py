@@ -3,6 +3,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import ROOT
 
 from mhla.benchmark import time_call, time_interleaved
 
@@ -93,3 +94,24 @@ def test_release_returns_the_memory_keep_freed_memory_kept():
     kept_mib, released_mib = map(float, proc.stdout.split())
     assert kept_mib > 150  # freed, but kept by the process
     assert released_mib > 150  # handed back
+
+
+def test_the_recompile_limits_a_benchmark_raises_are_restored_for_the_next_test(pytester):
+    """``allow_compiled_variants`` under the ``restore_dynamo_limits`` fixture leaves dynamo's config readable and
+    as it was for every later test, whatever pytest version undoes the fixture."""
+    pytester.makeconftest((ROOT / "tests" / "conftest.py").read_text())
+    pytester.makepyfile("""
+        import torch
+        from mhla.benchmark import allow_compiled_variants
+
+        BEFORE = (torch._dynamo.config.recompile_limit, torch._dynamo.config.fail_on_recompile_limit_hit)
+
+        def test_raises_them(restore_dynamo_limits):
+            allow_compiled_variants(BEFORE[0] + 100)
+            assert torch._dynamo.config.recompile_limit == BEFORE[0] + 100
+            assert torch._dynamo.config.fail_on_recompile_limit_hit
+
+        def test_reads_them_afterwards():
+            assert (torch._dynamo.config.recompile_limit, torch._dynamo.config.fail_on_recompile_limit_hit) == BEFORE
+        """)
+    pytester.runpytest_inprocess("-p", "no:cacheprovider").assert_outcomes(passed=2)

@@ -95,8 +95,6 @@ def _fake_measurements(script, monkeypatch, peak=None):
                         lambda calls, min_run_time, rounds: {key: (10.0, 1.0) for key in calls})
     monkeypatch.setattr(script, "measure_kept", lambda args, name, size: (1.0, 5.0))
     monkeypatch.setattr(script, "measure_memory", memory_worker)
-    for key in ("recompile_limit", "fail_on_recompile_limit_hit"):  # restored after the test
-        monkeypatch.setattr(torch._dynamo.config, key, getattr(torch._dynamo.config, key))
     if peak is not None:
         monkeypatch.setattr(script.bench, "peak_memory", lambda call, device: peak(call, device))
     return calls
@@ -107,7 +105,8 @@ def _rows(path):
         return list(csv.DictReader(f))
 
 
-def test_no_memory_runs_no_memory_worker_and_leaves_the_memory_ratios_out(tmp_path, monkeypatch):
+def test_no_memory_runs_no_memory_worker_and_leaves_the_memory_ratios_out(tmp_path, monkeypatch,
+                                                                          restore_dynamo_limits):
     """``--no-memory``: NaN peaks, no memory measured at all."""
     script = load_script("benchmark")
     _fake_measurements(script, monkeypatch, peak=lambda call, device: pytest.fail("measured a peak"))
@@ -119,7 +118,7 @@ def test_no_memory_runs_no_memory_worker_and_leaves_the_memory_ratios_out(tmp_pa
     assert [r["ratio"] for r in ratios] == ["deit_tiny_softmax / deit_tiny_mhla step time (speed-up)"] * 2
 
 
-def test_on_cuda_the_timed_calls_give_the_peak_memory_in_process(tmp_path, monkeypatch):
+def test_on_cuda_the_timed_calls_give_the_peak_memory_in_process(tmp_path, monkeypatch, restore_dynamo_limits):
     """On CUDA no fresh process: the very calls that were timed (a compiled model is not compiled again) are
     measured, each once, in this process; the CSV is written after each resolution."""
     script = load_script("benchmark")
