@@ -2,8 +2,8 @@
 
 ``capture_attention(model, images)`` runs the model once with hooks on every attention layer's
 ``qkv`` projection (its output) and ``proj`` (its input: the attention output before the
-projection). From q, k, v the naive references of ``mhla.naive`` build the matrix A exactly as
-MHLA.md defines it, for MHLA, plain linear attention and timm's softmax ``Attention`` (fused or
+projection). From q, k, v the naive references of ``mhla.naive`` build the matrix A exactly (MHLA's is
+the paper's Eq. 4) for MHLA, plain linear attention and timm's softmax ``Attention`` (fused or
 not: the hooks sit outside the attention kernel). The LePE term of the linear attentions is left
 out of A by default; ``include_lepe=True`` adds it as a banded N x N matrix per head (``lepe_matrix``:
 the depthwise convolution written as a matrix, its kernels averaged over the head's channels, which

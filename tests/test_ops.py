@@ -4,7 +4,7 @@ import torch
 from helpers import rel_rms
 
 from mhla import block_layout, linear_attention, mhla_attention, mhla_attention_parallel
-from mhla.naive import mhla_attention_matrix, naive_linear_attention, naive_mhla_attention
+from mhla.naive import mhla_attention_matrix, naive_linear_attention, naive_mhla_attention, naive_softmax_attention
 
 GRIDS = [(14, 14), (7, 9), (16, 16)]
 BLOCK_GRIDS = [(1, 1), (2, 3), (4, 4)]
@@ -119,6 +119,14 @@ def test_linear_matches_naive(shape, dtype):
     grads = torch.autograd.grad(out, inputs, grad_out.to(dtype))
     for grad, ref_grad in zip(grads, torch.autograd.grad(ref, reference_inputs, grad_out), strict=True):
         assert rel_rms(grad, ref_grad) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_naive_softmax_is_what_sdpa_computes(scale):
+    """The softmax reference the analysis builds timm's attention matrices from, against PyTorch's SDPA."""
+    q, k, v = (torch.randn(2, 3, 50, 16, dtype=torch.float64) for _ in range(3))
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+    assert rel_rms(naive_softmax_attention(q, k, v, scale=scale), expected) < 1e-12
 
 
 @pytest.mark.parametrize("grid,block_grid", [((16, 16), (4, 4)), ((7, 9), (7, 3)), ((6, 6), (1, 1))])

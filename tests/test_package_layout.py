@@ -58,6 +58,21 @@ def test_the_package_declares_what_the_requirements_files_install():
     assert project["optional-dependencies"]["dev"] == pins("requirements-dev.txt")
 
 
+def test_every_requirement_is_a_tested_range_that_this_environment_satisfies():
+    """Each requirement has a floor (the version CI installed when the floor was last raised) and a ceiling, and
+    the versions under test lie in the range: a floor below what CI ever installs would be an untested claim."""
+    from importlib.metadata import version
+
+    from packaging.requirements import Requirement
+
+    for name in ("requirements.txt", "requirements-dev.txt"):
+        for line in filter(None, map(str.strip, (ROOT / name).read_text().splitlines())):
+            requirement = Requirement(line)
+            assert sorted(spec.operator for spec in requirement.specifier) == ["<", ">="], f"{name}: {line}"
+            installed = version(requirement.name).split("+")[0]
+            assert requirement.specifier.contains(installed), f"{name}: {line}, but {installed} is installed"
+
+
 def test_cuda_marked_tests_are_skipped_without_a_device(pytester):
     pytester.makeconftest((ROOT / "tests" / "conftest.py").read_text())
     pytester.makepyfile("import pytest\n\n@pytest.mark.cuda\ndef test_on_gpu():\n    assert False\n")
@@ -74,3 +89,15 @@ def test_every_relative_link_in_the_documentation_resolves():
     for page in pages:
         for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):
             assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
+
+
+def test_ci_runs_the_readme_test_command_in_a_new_virtual_environment():
+    """CI resolves what a new user resolves: the Quick start's test command, as written, in a new ``.venv``."""
+    readme = (ROOT / "README.md").read_text()
+    quick_start = readme.split("## Quick start", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    commands = [line for line in quick_start.splitlines() if line and not line.startswith("#")]
+    assert len(commands) == 2 and commands[1].endswith("pytest -q")
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert commands[1] in ci
+    assert ci.index("python -m venv --clear .venv") < ci.index("source .venv/bin/activate") < ci.index(commands[1])
+    assert ".venv/" in (ROOT / ".gitignore").read_text().splitlines()
