@@ -4,7 +4,8 @@ Each target is a ratio of two measurements (a time, a throughput or a peak memor
 kind of device: the CPU targets are what the benchmarks on this repository's 2-core CPU are held to (fp32), the
 GPU targets are for one H200 in bf16. A script reads the table of the device it ran on (``for_device``); a
 ratio whose target that table lacks is reported without one, or not at all. The ``fused.*`` targets are for
-the fused kernels still to be written, which no script measures yet.
+the fused kernels still to be written, which no script measures yet. ``docs/benchmarks.md`` holds the table as
+``markdown()`` renders it (tested).
 """
 from dataclasses import dataclass
 
@@ -87,7 +88,7 @@ def for_device(device: str | torch.device) -> dict[str, Target]:
 
 
 def markdown() -> str:
-    """The table in Markdown, one table per device kind under its caption."""
+    """The table in Markdown, one table per device kind under its caption, as ``docs/benchmarks.md`` holds it."""
     parts = []
     for kind, caption in DEVICES.items():
         rows = [f"| `{t.name}` | {t.goal} | {t.description} |" for t in TARGETS if t.device == kind]
