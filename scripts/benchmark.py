@@ -12,9 +12,10 @@ fresh process each; what a training forward keeps for backward (whole model, MiB
 floats per token in units of C: SDPA keeps q, k, v, the output and a log-sum-exp, about 5 C with the
 layer's input); parameters and GMACs (counted on the meta device); then the ratios that say whether MHLA
 is worth it (MHLA against linear and softmax attention of the same size, and against timm's own DeiT-T),
-each beside its target. Writes ``<out-dir>/benchmark.csv`` after each resolution, then
-``<out-dir>/benchmark.{json,md}`` and ``throughput.png``. ``--compile`` compiles the whole model, ``--compile
-blocks`` each transformer block (``mhla.training.compiling``: a cold start a quarter as long).
+each beside its target from ``mhla.targets`` (the CPU's or the GPU's table, by ``--device``). Writes
+``<out-dir>/benchmark.csv`` after each resolution, then ``<out-dir>/benchmark.{json,md}`` and ``throughput.png``.
+``--compile`` compiles the whole model, ``--compile blocks`` each transformer block (``mhla.training.compiling``:
+a cold start a quarter as long).
 ``--no-memory`` leaves the peak memory out (NaN; on the CPU a compiled model compiles again in each fresh
 process).
 """
@@ -30,6 +31,7 @@ import torch
 
 import models  # noqa: F401  (registers the models)
 from mhla import benchmark as bench
+from mhla import targets as goals
 from mhla.flops import count_macs
 from mhla.training.compiling import compile_blocks
 
@@ -162,22 +164,25 @@ def model_size(name: str, size: int) -> tuple[float, float]:
     return sum(p.numel() for p in model.parameters()) / 1e6, count_macs(model, (3, size, size)) / 1e9
 
 
-def ratios(rows: list[dict]) -> list[dict]:
+def ratios(rows: list[dict], device: str) -> list[dict]:
     """MHLA against its baselines wherever both were measured: ratio, target and whether it is met.
 
-    Per model size (tiny, small) and resolution: MHLA / linear step time (target <= 1.15; against
-    ``*_linear_lepe``, the same network with one block, so the ratio is the cost of the blocks), softmax /
-    MHLA step time (the speed-up; target >= 4 at 1024 px), MHLA / softmax and linear / softmax training
-    peak memory (target <= 1, and <= 1/3 for MHLA at 1024 px); at 224 px, MHLA-T / timm's DeiT-T
-    inference and training throughput (target >= 0.95).
+    Per model size (tiny, small) and resolution: MHLA / linear step time (against ``*_linear_lepe``, the same
+    network with one block, so the ratio is the cost of the blocks), softmax / MHLA step time (the speed-up),
+    MHLA / softmax and linear / softmax training peak memory; at 224 px, MHLA-T / timm's DeiT-T inference and
+    training throughput. Each target is that of ``device``'s table (``mhla.targets``), or none where the table
+    has none for the ratio at that resolution.
     """
+    table = goals.for_device(device)
     by_key = {(r["model"], r["img_size"], r["mode"]): r for r in rows}
     out = []
 
-    def add(name, size, mode, value, target, op):
-        met = None if target is None else (value >= target if op == ">=" else value <= target)
+    def add(name, size, mode, value, *keys):
+        """One ratio; its target is the first of ``keys`` (None: no key) that the table holds, if any."""
+        target = next((table[key] for key in keys if key in table), None)
         out.append(dict(ratio=name, img_size=size, mode=mode, value=value,
-                        target=None if target is None else f"{op} {target:.3g}", met=met))
+                        target=None if target is None else target.goal,
+                        met=None if target is None else target.met(value)))
 
     for size in sorted({r["img_size"] for r in rows}):
         for family in ("tiny", "small"):
@@ -185,20 +190,22 @@ def ratios(rows: list[dict]) -> list[dict]:
             for mode in MODES:
                 m, lin, soft = (by_key.get((name, size, mode)) for name in (mhla, linear, softmax))
                 if m and lin:
-                    add(f"{mhla} / {linear} step time", size, mode, m["step_ms"] / lin["step_ms"], 1.15, "<=")
+                    add(f"{mhla} / {linear} step time", size, mode, m["step_ms"] / lin["step_ms"],
+                        "model.mhla_vs_linear")
                 if m and soft:
                     add(f"{softmax} / {mhla} step time (speed-up)", size, mode, soft["step_ms"] / m["step_ms"],
-                        4.0 if size == HIGH_RES else None, ">=")
+                        "model.speedup_1024" if size == HIGH_RES else None)
             for name in (mhla, linear, f"deit_{family}_linear"):
                 m, soft = by_key.get((name, size, "train")), by_key.get((softmax, size, "train"))
                 if m and soft and math.isfinite(m["peak_mib"]) and math.isfinite(soft["peak_mib"]):
                     add(f"{name} / {softmax} peak memory", size, "train", m["peak_mib"] / soft["peak_mib"],
-                        1 / 3 if size == HIGH_RES and name == mhla else 1.0, "<=")
+                        "model.mhla_memory_vs_softmax_1024" if size == HIGH_RES and name == mhla else None,
+                        "model.memory_vs_softmax")
         for mode in MODES:
             m, timm_deit = by_key.get(("deit_tiny_mhla", size, mode)), by_key.get((TIMM_DEIT, size, mode))
             if m and timm_deit:
-                add(f"deit_tiny_mhla / {TIMM_DEIT} throughput", size, mode,
-                    m["img_per_s"] / timm_deit["img_per_s"], 0.95 if size == 224 else None, ">=")
+                add(f"deit_tiny_mhla / {TIMM_DEIT} throughput", size, mode, m["img_per_s"] / timm_deit["img_per_s"],
+                    "model.throughput_vs_timm_224" if size == 224 else None)
     return out
 
 
@@ -226,7 +233,7 @@ def main(argv=None) -> int:
                 print(f"{name:>24} {size:>5}px {mode:<9} {ms:10.1f} ms {rows[-1]['img_per_s']:9.1f} img/s "
                       f"{rows[-1]['peak_mib']:9.1f} MiB", file=sys.stderr)
         bench.write_csv(rows, args.out_dir / "benchmark.csv")
-    found = ratios(rows)
+    found = ratios(rows, args.device)
     (args.out_dir / "benchmark.json").write_text(json.dumps(dict(rows=rows, ratios=found), indent=2) + "\n")
     lines = [f"{args.device}, {args.dtype}, batch {args.batch_size}, {torch.get_num_threads()} threads, "
              f"torch {torch.__version__}{'' if args.compile == 'none' else ', compiled: ' + args.compile}", "",

@@ -20,10 +20,10 @@ compiled, then 512 and 2048 px. A step first deletes its earlier output director
 result under ``--out-dir``, so ``--steps`` completes an earlier report.
 
 Writes ``--out`` (default ``<out-dir>/gpu_report.md``): the environment, the steps, the test result, the tables
-read from the benchmarks' CSV files and the issue's targets, each "met" or "not met": the op at 4,096 tokens
->= 5x faster than SDPA (FlashAttention) forward + backward; ``deit_tiny_mhla`` at 224 px (compiled, batch 256)
->= 0.9x the throughput of timm's DeiT-T; at 1024 px >= 3x faster than our softmax DeiT-T; MHLA / linear step
-time and the training peak memory against softmax's.
+read from the benchmarks' CSV files and the targets of ``mhla.targets`` for ``--device`` (the GPU's table on
+CUDA), each "met" or "not met": SDPA (FlashAttention) / MHLA op time forward + backward at 4,096 tokens;
+``deit_tiny_mhla`` / timm's DeiT-T throughput at 224 px (compiled, batch 256); our softmax DeiT-T / MHLA step
+time at 1024 px; MHLA / linear step time and the training peak memory against softmax's.
 """
 import argparse
 import csv
@@ -42,6 +42,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+
+from mhla import targets as goals
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ["deit_tiny_patch16_224", "deit_tiny_softmax", "deit_tiny_linear_lepe", "deit_tiny_mhla"]
@@ -315,20 +317,20 @@ def environment(device: str) -> dict[str, str]:
 
 
 @dataclass(frozen=True)
-class Target:
+class Outcome:
+    """One target of the report: what was measured against it and its goal (``mhla.targets.Target.goal``)."""
+
     name: str
     value: float | None  # None: not measured
-    goal: str  # e.g. ">= 5"
+    goal: str
     met: bool | None
 
 
-def _target(name: str, numerator: float | None, denominator: float | None, goal: str) -> Target:
+def _outcome(name: str, numerator: float | None, denominator: float | None, target: goals.Target) -> Outcome:
     value = None
     if numerator is not None and denominator and math.isfinite(numerator) and math.isfinite(denominator):
         value = numerator / denominator
-    op, bound = goal.split()
-    met = None if value is None else (value >= float(bound) if op == ">=" else value <= float(bound))
-    return Target(name, value, goal, met)
+    return Outcome(name, value, target.goal, None if value is None else target.met(value))
 
 
 def _read_csv(path: Path) -> list[dict]:
@@ -361,8 +363,10 @@ def read_op_rows(out_dir: Path) -> list[dict]:
     return rows
 
 
-def targets(model_rows: list[dict], op_rows: list[dict]) -> list[Target]:
-    """The issue's three targets (listed, measured or not), then MHLA / linear time and the peak memory ratios."""
+def targets(model_rows: list[dict], op_rows: list[dict], device: str) -> list[Outcome]:
+    """The three headline targets (listed, measured or not), then MHLA / linear time and the peak memory ratios,
+    each against the target of ``device``'s table (``mhla.targets``)."""
+    table = goals.for_device(device)
     models = {(r["model"], r["img_size"], r["mode"], r["compiled"]): r for r in model_rows}
     op = {(r["method"], r["n"], r["mode"], r["compiled"]): r["time_ms"] for r in op_rows}
     op_kinds = [False] + ([True] if any(compiled for *_, compiled in op) else [])
@@ -374,34 +378,36 @@ def targets(model_rows: list[dict], op_rows: list[dict]) -> list[Target]:
     def kind(compiled):
         return "compiled" if compiled else "eager"
 
-    found = [_target(f"op, 4,096 tokens, forward + backward, {kind(compiled)}: SDPA time / MHLA time",
-                     op.get(("sdpa", 4096, "train", compiled)), op.get(("mhla", 4096, "train", compiled)), ">= 5")
+    found = [_outcome(f"op, 4,096 tokens, forward + backward, {kind(compiled)}: SDPA time / MHLA time",
+                      op.get(("sdpa", 4096, "train", compiled)), op.get(("mhla", 4096, "train", compiled)),
+                      table["op.speedup_4096"])
              for compiled in op_kinds]
     for mode in ("train", "inference"):
-        found.append(_target(f"{MHLA} / {TIMM_DEIT} throughput, 224 px, compiled, {mode}",
-                             model(MHLA, 224, mode, True, "img_per_s"), model(TIMM_DEIT, 224, mode, True, "img_per_s"),
-                             ">= 0.9"))
+        found.append(_outcome(f"{MHLA} / {TIMM_DEIT} throughput, 224 px, compiled, {mode}",
+                              model(MHLA, 224, mode, True, "img_per_s"),
+                              model(TIMM_DEIT, 224, mode, True, "img_per_s"), table["model.throughput_vs_timm_224"]))
     compiled_1024 = [True] if (MHLA, 1024, "train", True) in models else []
     for compiled in [False, *compiled_1024]:
         for mode in ("train", "inference"):
-            found.append(_target(f"{SOFTMAX} / {MHLA} step time, 1024 px, {'compiled' if compiled else 'eager'}, "
-                                 f"{mode}", model(SOFTMAX, 1024, mode, compiled, "step_ms"),
-                                 model(MHLA, 1024, mode, compiled, "step_ms"), ">= 3"))
+            found.append(_outcome(f"{SOFTMAX} / {MHLA} step time, 1024 px, {kind(compiled)}, {mode}",
+                                  model(SOFTMAX, 1024, mode, compiled, "step_ms"),
+                                  model(MHLA, 1024, mode, compiled, "step_ms"), table["model.speedup_1024"]))
     for compiled, n in sorted({(compiled, n) for _, n, _, compiled in op}):
         if ("mhla", n, "train", compiled) in op and ("linear", n, "train", compiled) in op:
-            found.append(_target(f"op, {n:,} tokens, forward + backward, {kind(compiled)}: MHLA time / linear time",
-                                 op[("mhla", n, "train", compiled)], op[("linear", n, "train", compiled)], "<= 1.25"))
+            found.append(_outcome(f"op, {n:,} tokens, forward + backward, {kind(compiled)}: MHLA time / linear time",
+                                  op[("mhla", n, "train", compiled)], op[("linear", n, "train", compiled)],
+                                  table["op.mhla_vs_linear"]))
     for size, compiled in sorted({(size, compiled) for _, size, _, compiled in models}, key=lambda k: (k[1], k[0])):
         for mode in ("train", "inference"):
             if (MHLA, size, mode, compiled) in models and (LINEAR, size, mode, compiled) in models:
-                found.append(_target(f"{MHLA} / {LINEAR} step time, {size} px, {kind(compiled)}, {mode}",
-                                     model(MHLA, size, mode, compiled, "step_ms"),
-                                     model(LINEAR, size, mode, compiled, "step_ms"), "<= 1.15"))
+                found.append(_outcome(f"{MHLA} / {LINEAR} step time, {size} px, {kind(compiled)}, {mode}",
+                                      model(MHLA, size, mode, compiled, "step_ms"),
+                                      model(LINEAR, size, mode, compiled, "step_ms"), table["model.mhla_vs_linear"]))
         for name in (MHLA, LINEAR):
             peak, softmax_peak = (model(n, size, "train", compiled, "peak_mib") for n in (name, SOFTMAX))
             if peak is not None and softmax_peak is not None and math.isfinite(peak) and math.isfinite(softmax_peak):
-                found.append(_target(f"{name} / {SOFTMAX} training peak memory, {size} px, {kind(compiled)}",
-                                     peak, softmax_peak, "<= 1"))
+                found.append(_outcome(f"{name} / {SOFTMAX} training peak memory, {size} px, {kind(compiled)}",
+                                      peak, softmax_peak, table["model.memory_vs_softmax"]))
     return found
 
 
@@ -463,8 +469,8 @@ def model_table(rows: list[dict]) -> list[str]:
 
 
 def build_report(env: dict[str, str], steps: list[Step], results: list[StepResult], out_dir: Path,
-                 command: str, dtype: str, started: str) -> str:
-    """The Markdown report of a check whose benchmarks wrote under ``out_dir``."""
+                 command: str, device: str, dtype: str, started: str) -> str:
+    """The Markdown report of a check whose benchmarks ran on ``device`` and wrote under ``out_dir``."""
     by_name = {r.name: r for r in results}
     failed = [r for r in results if not r.ok]
     total = sum(r.seconds for r in results)
@@ -485,12 +491,13 @@ def build_report(env: dict[str, str], steps: list[Step], results: list[StepResul
               "earlier checks' steps not run this time (`--steps`)."]
 
     model_rows, op_rows = read_model_rows(out_dir), read_op_rows(out_dir)
-    lines += ["", "## Targets", "", f"All in {dtype}; the models' ratios from `scripts/benchmark.py`'s CSV files, "
-              "the op's from `scripts/benchmark_attention.py`'s (\"forward + backward\" is its `train` mode).", ""]
+    lines += ["", "## Targets", "", f"All in {dtype}, against the {goals.device_kind(device).upper()} targets of "
+              "`mhla/targets.py`; the models' ratios from `scripts/benchmark.py`'s CSV files, the op's from "
+              "`scripts/benchmark_attention.py`'s (\"forward + backward\" is its `train` mode).", ""]
     met_text = {True: "met", False: "**not met**", None: "not measured"}
     lines += _table(["target", "measured", "goal", "met"],
                     [[t.name, _number(t.value, 3 if "memory" in t.name else 2), t.goal, met_text[t.met]]
-                     for t in targets(model_rows, op_rows)])
+                     for t in targets(model_rows, op_rows, device)])
 
     lines += ["", "## CUDA tests", ""]
     tests = by_name.get("tests")
@@ -542,7 +549,7 @@ def main(argv=None) -> int:
     results = run_steps(steps, args.out_dir / "logs", args.time_limit)
     command = shlex.join(["python", "scripts/gpu_check.py", *(sys.argv[1:] if argv is None else argv)])
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(build_report(env, steps, results, args.out_dir, command, args.dtype, started))
+    args.out.write_text(build_report(env, steps, results, args.out_dir, command, args.device, args.dtype, started))
     failed = [r for r in results if not r.ok]
     print(f"report: {_relative(str(args.out))}" + (f"; {len(failed)} step(s) failed" if failed else ""))
     return 1 if failed else 0

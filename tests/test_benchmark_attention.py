@@ -5,7 +5,9 @@ import sys
 
 import pytest
 import torch
-from helpers import ROOT, load_script
+from helpers import ROOT, TARGET_DEVICES, load_script
+
+from mhla import targets as goals
 
 benchmark_attention = load_script("benchmark_attention")
 
@@ -28,18 +30,27 @@ def test_smoke_run_writes_table_csv_and_plot(tmp_path):
     assert (tmp_path / "attention_benchmark.md").read_text().count("\n|") >= 4
 
 
-def test_targets_arithmetic():
+@pytest.mark.parametrize("device", TARGET_DEVICES)
+def test_the_targets_are_those_of_the_devices_table(device):
+    """Each ratio against its entry of ``mhla.targets`` for ``device``; a ratio whose entry that table lacks is
+    not listed."""
     def row(method, n, mode, time_ms, peak_mib=1.0):
         return dict(method=method, n=n, mode=mode, time_ms=time_ms, peak_mib=peak_mib)
 
     rows = [row("linear", 196, "forward", 1.0), row("mhla", 196, "forward", 1.2), row("sdpa", 196, "forward", 0.5),
-            row("sdpa", 4096, "train", 300.0), row("mhla", 4096, "train", 10.0),
+            row("sdpa", 4096, "train", 100.0), row("mhla", 4096, "train", 10.0),
             row("mhla", 1024, "train", 1.0, peak_mib=10.0), row("mhla", 16384, "train", 20.0, peak_mib=250.0)]
-    result = {name: (value, met) for name, value, _, met in benchmark_attention.targets(rows)}
-    assert result["MHLA / linear time, N=196, forward"] == pytest.approx((1.2, True))
-    assert result["SDPA / MHLA time, N=4096, train"] == pytest.approx((30.0, True))
-    assert result["MHLA / SDPA time, N=196, forward"] == pytest.approx((2.4, False))
-    assert result["MHLA peak memory N=16384 / N=1024, train"] == pytest.approx((25.0, False))
+    expected = {"MHLA / linear time, N=196, forward": ("op.mhla_vs_linear", 1.2),
+                "SDPA / MHLA time, N=4096, train": ("op.speedup_4096", 10.0),
+                "MHLA / SDPA time, N=196, forward": ("op.mhla_vs_sdpa_196", 2.4),
+                "MHLA peak memory N=16384 / N=1024, train": ("op.memory_growth", 25.0)}
+    table = goals.for_device(device)
+    found = {name: (value, goal, met) for name, value, goal, met in benchmark_attention.targets(rows, device)}
+    assert set(found) == {name for name, (key, _) in expected.items() if key in table}
+    for name, (value, goal, met) in found.items():
+        target = table[expected[name][0]]
+        assert value == pytest.approx(expected[name][1]) and goal == target.goal
+        assert met == (value >= target.value if target.op == ">=" else value <= target.value)
 
 
 def test_non_square_size_is_refused(capsys):

@@ -7,9 +7,10 @@ import sys
 import pytest
 import timm
 import torch
-from helpers import ROOT, load_script
+from helpers import ROOT, TARGET_DEVICES, load_script
 
 import models  # noqa: F401  (registers the models)
+from mhla import targets as goals
 from mhla.flops import count_macs
 
 SCRIPT = ROOT / "scripts" / "benchmark.py"
@@ -41,30 +42,46 @@ def test_smoke_run_writes_every_output(tmp_path):
     for r in report["ratios"]:
         mode = r["mode"]
         assert r["value"] == pytest.approx(step[("deit_tiny_mhla", mode)] / step[("deit_tiny_linear_lepe", mode)])
-        assert f"| {r['ratio']} | 64 | {mode} | {r['value']:.2f} | <= 1.15 |" in proc.stdout
+        goal = goals.for_device("cuda" if torch.cuda.is_available() else "cpu")["model.mhla_vs_linear"].goal
+        assert f"| {r['ratio']} | 64 | {mode} | {r['value']:.2f} | {goal} |" in proc.stdout
     assert (tmp_path / "throughput.png").stat().st_size > 0
 
 
-def test_ratios_and_targets():
+@pytest.mark.parametrize("device", TARGET_DEVICES)
+def test_ratios_have_the_targets_of_the_devices_table(device):
+    """Each ratio beside its entry of ``mhla.targets`` for ``device``: MHLA's memory at 1024 px against its own
+    entry where the table has one, else the one of every size; the speed-up has a target at 1024 px only."""
     def row(model, size, mode, step_ms, peak_mib=100.0):
         return dict(model=model, img_size=size, mode=mode, step_ms=step_ms, img_per_s=8e3 / step_ms, peak_mib=peak_mib)
 
-    rows = [row("deit_tiny_patch16_224", 224, "inference", 100.0), row("deit_tiny_mhla", 224, "inference", 125.0),
+    rows = [row("deit_tiny_patch16_224", 224, "inference", 100.0), row("deit_tiny_mhla", 224, "inference", 108.0),
+            row("deit_tiny_softmax", 224, "inference", 90.0),
             row("deit_tiny_mhla", 1024, "train", 10.0, peak_mib=300.0),
-            row("deit_tiny_softmax", 1024, "train", 50.0, peak_mib=1000.0),
+            row("deit_tiny_softmax", 1024, "train", 35.0, peak_mib=1000.0),
             row("deit_tiny_linear_lepe", 1024, "train", 9.0)]
-    found = {(r["ratio"], r["img_size"], r["mode"]): r for r in load_script("benchmark").ratios(rows)}
-    assert len(found) == 5
-    timm_deit = found[("deit_tiny_mhla / deit_tiny_patch16_224 throughput", 224, "inference")]
-    assert timm_deit["value"] == pytest.approx(0.8) and timm_deit["target"] == ">= 0.95" and timm_deit["met"] is False
-    speed_up = found[("deit_tiny_softmax / deit_tiny_mhla step time (speed-up)", 1024, "train")]
-    assert speed_up["value"] == pytest.approx(5.0) and speed_up["met"] is True
-    memory = found[("deit_tiny_mhla / deit_tiny_softmax peak memory", 1024, "train")]
-    assert memory["value"] == pytest.approx(0.3) and memory["target"] == "<= 0.333" and memory["met"] is True
-    linear = found[("deit_tiny_mhla / deit_tiny_linear_lepe step time", 1024, "train")]
-    assert linear["value"] == pytest.approx(10 / 9) and linear["met"] is True
-    linear_memory = found[("deit_tiny_linear_lepe / deit_tiny_softmax peak memory", 1024, "train")]
-    assert linear_memory["value"] == pytest.approx(0.1) and linear_memory["target"] == "<= 1" and linear_memory["met"]
+    table = goals.for_device(device)
+    memory_1024 = next(name for name in ("model.mhla_memory_vs_softmax_1024", "model.memory_vs_softmax")
+                       if name in table)
+    speed_up = "deit_tiny_softmax / deit_tiny_mhla step time (speed-up)"
+    expected = {
+        ("deit_tiny_mhla / deit_tiny_patch16_224 throughput", 224, "inference"):
+            (100 / 108, "model.throughput_vs_timm_224"),
+        (speed_up, 224, "inference"): (90 / 108, None),
+        (speed_up, 1024, "train"): (3.5, "model.speedup_1024"),
+        ("deit_tiny_mhla / deit_tiny_softmax peak memory", 1024, "train"): (0.3, memory_1024),
+        ("deit_tiny_mhla / deit_tiny_linear_lepe step time", 1024, "train"): (10 / 9, "model.mhla_vs_linear"),
+        ("deit_tiny_linear_lepe / deit_tiny_softmax peak memory", 1024, "train"): (0.1, "model.memory_vs_softmax"),
+    }
+    found = {(r["ratio"], r["img_size"], r["mode"]): r for r in load_script("benchmark").ratios(rows, device)}
+    assert set(found) == set(expected)
+    for key, (value, name) in expected.items():
+        assert found[key]["value"] == pytest.approx(value), key
+        if name is None:
+            assert (found[key]["target"], found[key]["met"]) == (None, None)
+        else:
+            target = table[name]
+            met = value >= target.value if target.op == ">=" else value <= target.value
+            assert (found[key]["target"], found[key]["met"]) == (target.goal, met), key
 
 
 def test_bad_arguments(tmp_path, capsys):

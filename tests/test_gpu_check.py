@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, load_script
+from helpers import ROOT, TARGET_DEVICES, load_script
+
+from mhla import targets as goals
 
 gpu_check = load_script("gpu_check")
 
@@ -219,35 +221,55 @@ def make_results(out_dir: Path) -> None:
         "1 failed, 26 passed, 540 deselected in 25.31s\n")
 
 
-def test_the_report_reads_the_benchmarks_files_and_marks_each_target(tmp_path):
+@pytest.mark.parametrize("device", TARGET_DEVICES)
+def test_the_report_reads_the_benchmarks_files_and_marks_each_target(tmp_path, device):
+    """Every figure read from the benchmarks' files, and each target from ``mhla.targets`` for ``device``."""
     make_results(tmp_path)
     steps = gpu_check.plan(gpu_check.parse_args(["--out-dir", str(tmp_path)]))
     results = [gpu_check.StepResult("tests", False, 31.0, "FAILED tests: exit code 1 after 31 s: 1 failed | x",
                                     tmp_path / "logs" / "tests.log"),
                gpu_check.StepResult("attention", True, 70.0, "ok", None)]
     env = {"GPU": "NVIDIA H200, 139.8 GiB, compute capability 9.0, 1 device(s)", "torch": "2.14.1"}
-    report = gpu_check.build_report(env, steps, results, tmp_path, "python scripts/gpu_check.py", "bfloat16",
-                                    "2026-12-01 10:00 UTC")
+    report = gpu_check.build_report(env, steps, results, tmp_path, "python scripts/gpu_check.py", device,
+                                    "bfloat16", "2026-12-01 10:00 UTC")
     lines = report.splitlines()
     assert "**1 of 2 steps failed**" in lines[2]
     assert "| GPU | NVIDIA H200, 139.8 GiB, compute capability 9.0, 1 device(s) |" in lines
     assert "| tests | `python -m pytest -q -m cuda tests/ -p no:cacheprovider` | FAILED tests: exit code 1 after " \
            "31 s: 1 failed \\| x | 31 s | 45 s |" in lines
     assert any(line.startswith("| models-eager-2048 | ") and line.endswith(" | not run |  | 20 s |") for line in lines)
+    kind = {"cuda": "GPU", "cpu": "CPU"}[device]
+    assert any(line.startswith(f"All in bfloat16, against the {kind} targets of `mhla/targets.py`;")
+               for line in lines)
+    table = goals.for_device(device)
+    for name, measured, ratio, target in [  # the ratio the files give, and its entry in the table
+        ("op, 4,096 tokens, forward + backward, eager: SDPA time / MHLA time", "6.00", 6.0, "op.speedup_4096"),
+        ("op, 4,096 tokens, forward + backward, compiled: SDPA time / MHLA time", "12.00", 12.0, "op.speedup_4096"),
+        ("deit_tiny_mhla / deit_tiny_patch16_224 throughput, 224 px, compiled, train", "0.80", 0.8,
+         "model.throughput_vs_timm_224"),
+        ("deit_tiny_mhla / deit_tiny_patch16_224 throughput, 224 px, compiled, inference", "0.96", 50 / 52,
+         "model.throughput_vs_timm_224"),
+        ("deit_tiny_softmax / deit_tiny_mhla step time, 1024 px, eager, train", "3.00", 3.0, "model.speedup_1024"),
+        ("deit_tiny_softmax / deit_tiny_mhla step time, 1024 px, eager, inference", "2.00", 2.0,
+         "model.speedup_1024"),
+        ("op, 196 tokens, forward + backward, eager: MHLA time / linear time", "2.00", 2.0, "op.mhla_vs_linear"),
+        ("op, 4,096 tokens, forward + backward, eager: MHLA time / linear time", "1.11", 10 / 9, "op.mhla_vs_linear"),
+        ("op, 4,096 tokens, forward + backward, compiled: MHLA time / linear time", "1.11", 10 / 9,
+         "op.mhla_vs_linear"),
+        ("deit_tiny_mhla / deit_tiny_linear_lepe step time, 1024 px, eager, train", "1.11", 100 / 90,
+         "model.mhla_vs_linear"),
+        ("deit_tiny_mhla / deit_tiny_linear_lepe step time, 1024 px, eager, inference", "1.12", 45 / 40,
+         "model.mhla_vs_linear"),
+        ("deit_tiny_mhla / deit_tiny_softmax training peak memory, 1024 px, eager", "0.990", 1000 / 1010,
+         "model.memory_vs_softmax"),
+        ("deit_tiny_linear_lepe / deit_tiny_softmax training peak memory, 1024 px, eager", "0.995", 1005 / 1010,
+         "model.memory_vs_softmax"),
+    ]:
+        goal = table[target]
+        met = ratio >= goal.value if goal.op == ">=" else ratio <= goal.value
+        line = f"| {name} | {measured} | {goal.goal} | {'met' if met else '**not met**'} |"
+        assert line in lines, line
     for line in [
-        "| op, 4,096 tokens, forward + backward, eager: SDPA time / MHLA time | 6.00 | >= 5 | met |",
-        "| op, 4,096 tokens, forward + backward, compiled: SDPA time / MHLA time | 12.00 | >= 5 | met |",
-        "| deit_tiny_mhla / deit_tiny_patch16_224 throughput, 224 px, compiled, train | 0.80 | >= 0.9 | **not met** |",
-        "| deit_tiny_mhla / deit_tiny_patch16_224 throughput, 224 px, compiled, inference | 0.96 | >= 0.9 | met |",
-        "| deit_tiny_softmax / deit_tiny_mhla step time, 1024 px, eager, train | 3.00 | >= 3 | met |",
-        "| deit_tiny_softmax / deit_tiny_mhla step time, 1024 px, eager, inference | 2.00 | >= 3 | **not met** |",
-        "| op, 196 tokens, forward + backward, eager: MHLA time / linear time | 2.00 | <= 1.25 | **not met** |",
-        "| op, 4,096 tokens, forward + backward, eager: MHLA time / linear time | 1.11 | <= 1.25 | met |",
-        "| op, 4,096 tokens, forward + backward, compiled: MHLA time / linear time | 1.11 | <= 1.25 | met |",
-        "| deit_tiny_mhla / deit_tiny_linear_lepe step time, 1024 px, eager, train | 1.11 | <= 1.15 | met |",
-        "| deit_tiny_mhla / deit_tiny_linear_lepe step time, 1024 px, eager, inference | 1.12 | <= 1.15 | met |",
-        "| deit_tiny_mhla / deit_tiny_softmax training peak memory, 1024 px, eager | 0.990 | <= 1 | met |",
-        "| deit_tiny_linear_lepe / deit_tiny_softmax training peak memory, 1024 px, eager | 0.995 | <= 1 | met |",
         "`pytest -q -m cuda tests/`: 1 failed, 26 passed, 540 deselected in 25.31s",
         "- `FAILED tests/test_cuda.py::test_amp_training_steps_learn_a_fixed_batch[float16] - AssertionError: "
         "[2.4, nan]`",
@@ -262,7 +284,7 @@ def test_the_report_reads_the_benchmarks_files_and_marks_each_target(tmp_path):
 
 
 def test_a_check_that_measured_nothing_says_so(tmp_path):
-    report = gpu_check.build_report({}, [], [], tmp_path, "python scripts/gpu_check.py", "bfloat16", "now")
+    report = gpu_check.build_report({}, [], [], tmp_path, "python scripts/gpu_check.py", "cuda", "bfloat16", "now")
     targets = [line for line in report.splitlines() if line.endswith("| not measured |")]
     assert len(targets) == 5  # the op, 224 px (training, inference), 1024 px (training, inference)
     assert report.count("not measured\n") == 2 and "not run" in report  # the tables, the tests
