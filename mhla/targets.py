@@ -3,9 +3,8 @@
 Each target is a ratio of two measurements (a time, a throughput or a peak memory) and a bound on it, for one
 kind of device: the CPU targets are what the benchmarks on this repository's 2-core CPU are held to (fp32), the
 GPU targets are for one H200 in bf16. A script reads the table of the device it ran on (``for_device``); a
-ratio whose target that table lacks is reported without one, or not at all. The ``fused.*`` targets are for
-the fused kernels still to be written, which no script measures yet. ``docs/benchmarks.md`` holds the table as
-``markdown()`` renders it (tested).
+ratio whose target that table lacks is reported without one, or not at all. ``docs/benchmarks.md`` holds the table
+as ``markdown()`` renders it (tested).
 """
 from dataclasses import dataclass
 
@@ -63,16 +62,6 @@ TARGETS: tuple[Target, ...] = (
     *_target("model.mhla_memory_vs_softmax_1024", "<=",
              "`deit_*_mhla` / `deit_*_softmax` training peak memory at 1024 px (an older target: it holds only "
              "against softmax that stores the N x N matrix)", cpu=1 / 3),
-    *_target("fused.train_step_vs_softmax_224", "<=",
-             "fused kernels: `deit_tiny_mhla` / `deit_tiny_softmax` training step time at 224 px", gpu=1.1),
-    *_target("fused.train_step_vs_softmax_1024", "<=",
-             "fused kernels: `deit_tiny_mhla` / `deit_tiny_softmax` training step time at 1024 px", gpu=0.7),
-    *_target("fused.op_speedup_4096", ">=",
-             "fused kernel, forward + backward at 4,096 tokens: SDPA time / MHLA time", gpu=8),
-    *_target("fused.op_speedup_16384", ">=",
-             "fused kernel, forward + backward at 16,384 tokens: SDPA time / MHLA time", gpu=25),
-    *_target("fused.op_vs_linear", "<=",
-             "fused kernel, forward + backward: MHLA time / plain linear attention's kernel time", gpu=1.3),
 )
 
 

@@ -12,8 +12,7 @@ import yaml
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
-# A run on each kind of device of ``mhla.targets``, for the scripts' targets; the id "gpu", as "cuda" would mark the
-# test as one that needs a CUDA device (conftest.py).
+# A run on each kind of device of ``mhla.targets``, for the scripts' targets.
 TARGET_DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="gpu")]
 
 
