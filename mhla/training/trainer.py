@@ -27,13 +27,13 @@ from timm.utils import ModelEmaV3, unwrap_model
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Subset
 
-from .checkpoint import get_rng_state, load_checkpoint, save_atomic, set_rng_state
+from .checkpoint import CheckpointError, get_rng_state, load_checkpoint, save_atomic, set_rng_state
 from .compiling import compile_blocks, model_blocks
 from .config import ConfigError, micro_batch_size, where_set
 from .data import EpochSampler, build_datasets, collate_skipping, shard_indices
 from .distributed import DistInfo, init_distributed
 from .engine import TrainState, evaluate, train_one_epoch
-from .finetune import init_state_dict, load_init_weights
+from .finetune import InitWeightsError, init_state_dict, load_init_weights
 from .run_log import MetricsLog, start_wandb, write_run_info
 from .shards import shard_datasets
 
@@ -83,7 +83,11 @@ def _model_key(message: str, config: dict) -> str:
     return named[0] if named else "model.kwargs"
 
 
-_BUILD_ERRORS = (ValueError, TypeError, AssertionError, KeyError, RuntimeError)
+# What a bad value in the config makes a builder raise: the models' own checks a ValueError naming the
+# keyword, timm's and torch's constructors a ValueError for a bad value, a TypeError for an unknown
+# keyword or a wrong type. Any other error (RuntimeError, AssertionError, KeyError, ...) is a code path
+# failing, not an argument refused: it keeps its traceback.
+_ARGUMENT_ERRORS = (ValueError, TypeError)
 
 
 def _first_line(error: Exception) -> str:
@@ -91,11 +95,11 @@ def _first_line(error: Exception) -> str:
 
 
 @contextlib.contextmanager
-def _config_error(key: str, sources: dict):
-    """Turn an error raised while building from the config into a ``ConfigError`` naming ``key``."""
+def _config_error(key: str, sources: dict, errors: tuple[type[Exception], ...] = _ARGUMENT_ERRORS):
+    """Turn one of ``errors`` raised while building from the config into a ``ConfigError`` naming ``key``."""
     try:
         yield
-    except _BUILD_ERRORS as e:
+    except errors as e:
         raise ConfigError(f"{key}: {_first_line(e)}{where_set(key, sources)}") from None
 
 
@@ -104,18 +108,19 @@ def check_buildable(config: dict) -> None:
 
     With ``model.init_from``, the file's weights are fitted to the model (read, positions resampled,
     keys and shapes checked; nothing loaded). Raises ``ConfigError``: one line naming the key the problem
-    is about and where it was set. Call after ``check_resources`` (the model name is registered, the
-    ``model.init_from`` file exists).
+    is about and where it was set, for the errors that refuse an argument (``_ARGUMENT_ERRORS``) or a
+    weights file; any other error is a bug and propagates with its traceback. Call after ``check_resources``
+    (the model name is registered, the ``model.init_from`` file exists).
     """
     sources, name = config.get("_sources", {}), config["model"]["name"]
     try:
         with torch.device("meta"):
             model = build_model(config, num_classes=timm.get_pretrained_cfg(name).num_classes)
-    except _BUILD_ERRORS as e:
+    except _ARGUMENT_ERRORS as e:
         key = _model_key(_first_line(e), config)
         raise ConfigError(f"{key}: cannot build {name}: {_first_line(e)}{where_set(key, sources)}") from None
     if config["model"]["init_from"] is not None:
-        with _config_error("model.init_from", sources):
+        with _config_error("model.init_from", sources, (CheckpointError, InitWeightsError)):
             init_state_dict(config["model"]["init_from"], model)
     if config["compile"] == "blocks":
         with _config_error("compile", sources):
