@@ -139,6 +139,11 @@ def _seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _processes(count: int) -> str:
+    """``1 process``, ``2 processes``."""
+    return f"{count} process" if count == 1 else f"{count} processes"
+
+
 def _gather_rng(info: DistInfo) -> list:
     state = get_rng_state()
     if not info.distributed:
@@ -187,9 +192,8 @@ class _Run:
 
         self.model = build_model(config, num_classes).to(info.device)
         if init_weights and config["model"]["init_from"] is not None:
-            notices = load_init_weights(self.model, config["model"]["init_from"])
-            if info.is_main:
-                print("\n".join(f"note: model.init_from: {n}" for n in notices), file=sys.stderr, flush=True)
+            for notice in load_init_weights(self.model, config["model"]["init_from"]):
+                self.note(f"model.init_from: {notice}")
         self.optimizer = build_optimizer(self.model, optim)
         updates_per_epoch = max(1, math.ceil(self.sampler.batches_per_epoch / accum))  # a short last group updates too
         self.scheduler = build_scheduler(self.optimizer, config, updates_per_epoch)
@@ -219,6 +223,11 @@ class _Run:
         self.state = TrainState()
         self.metrics = MetricsLog(run_dir)
 
+    def note(self, message: str) -> None:
+        """A one-line notice on stderr, from the main process."""
+        if self.info.is_main:
+            print(f"note: {message}", file=sys.stderr, flush=True)
+
     def epoch_loader(self) -> "_Batches":
         """The rest of the current epoch's training batches: from ``state.batch_in_epoch`` to the epoch's end."""
         self.sampler.set_epoch(self.state.epoch, start_batch=self.state.batch_in_epoch)
@@ -239,6 +248,8 @@ class _Run:
         }
 
     def load_state_dict(self, checkpoint: dict) -> None:
+        """Continue from ``checkpoint``. Written by as many processes as this run has, every process takes its
+        own RNG states back (bit-exact resume); else they are reseeded from (seed, step, rank), with a notice."""
         unwrap_model(self.model).load_state_dict(checkpoint["model"])
         self.optimizer.load_state_dict(checkpoint["optimizer"])
         self.scheduler.load_state_dict(checkpoint["scheduler"])
@@ -251,6 +262,9 @@ class _Run:
         if len(rng) == self.info.world_size:
             set_rng_state(rng[self.info.rank])
         else:
+            self.note(f"resume: the checkpoint was written by {_processes(len(rng))}, this run has "
+                      f"{_processes(self.info.world_size)}: the random generators are reseeded, so the run "
+                      f"continues but not bit-exactly")
             _seed(self.config["seed"] + 1_000_003 * self.state.step + self.info.rank)
 
     def save(self, *names: str) -> None:
