@@ -32,7 +32,7 @@ from .compiling import compile_blocks, model_blocks
 from .config import ConfigError, micro_batch_size, where_set
 from .data import EpochSampler, build_datasets, collate_skipping, shard_indices
 from .distributed import DistInfo, init_distributed
-from .engine import TrainState, evaluate, train_one_epoch
+from .engine import COUNTS, TrainState, evaluate, train_one_epoch
 from .finetune import InitWeightsError, init_state_dict, load_init_weights
 from .run_log import MetricsLog, start_wandb, write_run_info
 from .shards import shard_datasets
@@ -286,7 +286,8 @@ class _Run:
                "train_loss": self.state.loss_sum / max(self.state.samples, 1), "val_loss": val["loss"],
                "val_top1": val["top1"], "val_top5": val["top5"], "val_images": val["count"],
                "lr": self.optimizer.param_groups[0]["lr"], "epoch_time_s": epoch_time,
-               "skipped_images": self.state.skipped}
+               "skipped_images": self.state.skipped, "unpaired_images": self.state.unpaired,
+               "empty_batches": self.state.empty_batches, "val_skipped_images": val["skipped"]}
         if self.ema is not None:
             ema_val = evaluate(self.ema.module, self.val_loader, self.info, self.autocast)
             row.update(ema_val_top1=ema_val["top1"], ema_val_top5=ema_val["top5"])
@@ -297,7 +298,7 @@ class _Run:
             self.metrics.write(row)
         epoch = self.state.epoch
         self.state = dataclasses.replace(self.state, epoch=epoch + 1, batch_in_epoch=0, loss_sum=0.0, samples=0,
-                                         skipped=0)
+                                         **dict.fromkeys(COUNTS, 0))
         keep = self.config["checkpoint"]["keep"]
         names = ["last.pth"] + (["best.pth"] if is_best else []) + ([f"epoch_{epoch:04d}.pth"] if keep else [])
         self.save(*names)
