@@ -13,7 +13,7 @@ import sys
 import models  # noqa: F401  (registers the models)
 from mhla.training.checkpoint import CheckpointError
 from mhla.training.config import ConfigError, check_resources, load_config
-from mhla.training.engine import NonFiniteLossError
+from mhla.training.engine import EmptyBatchError, NonFiniteLossError
 from mhla.training.finetune import InitWeightsError
 from mhla.training.trainer import check_buildable, run
 
@@ -44,7 +44,7 @@ def main(argv=None) -> int:
         return 2
     try:
         run(config, resume=args.resume, argv=sys.argv if argv is None else ["train.py", *argv])
-    except (NonFiniteLossError, CheckpointError, InitWeightsError) as e:
+    except (NonFiniteLossError, EmptyBatchError, CheckpointError, InitWeightsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

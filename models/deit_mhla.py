@@ -46,6 +46,20 @@ register_notrace_module(LinearAttention)
 register_notrace_module(MultiHeadLinearAttention)
 register_notrace_module(RMSNorm)
 
+# The sizes timm divides by or allocates with, and the least value of each; a smaller one would fail
+# deep inside timm (a division by zero, a tensor of negative size) rather than name the keyword.
+SIZE_MINIMUMS = {"embed_dim": 1, "num_heads": 1, "patch_size": 1, "depth": 0, "reg_tokens": 0}
+
+
+def _check_sizes(kwargs: dict) -> None:
+    """``ValueError`` naming the keyword of ``kwargs`` whose size is not an integer of at least its minimum."""
+    for name, minimum in SIZE_MINIMUMS.items():
+        if name not in kwargs:
+            continue
+        values = to_2tuple(kwargs[name]) if name == "patch_size" else (kwargs[name],)
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in values):
+            raise ValueError(f"{name} must be an integer >= {minimum}, got {kwargs[name]!r}")
+
 
 def _configured(attn_cls: type, **options) -> type:
     """A stand-in for ``attn_cls`` whose constructor defaults to ``options``.
@@ -79,6 +93,10 @@ class MhlaVisionTransformer(VisionTransformer):
             embedding; ``img_size`` is then this size too. None (default) uses the image as is.
         **kwargs: the attention options of ``ATTENTION_OPTIONS`` (linear and MHLA only) and
             timm ``VisionTransformer`` arguments.
+
+    Raises:
+        ValueError: a bad argument (an option the attention type lacks, a size below ``SIZE_MINIMUMS``,
+            an image size the patch size does not divide, ...), named in the message.
     """
 
     def __init__(self, attn_type: str = "mhla", img_pad_to: int | None = None, **kwargs) -> None:
@@ -89,6 +107,7 @@ class MhlaVisionTransformer(VisionTransformer):
         for name in options:
             if name not in allowed:
                 raise ValueError(f"{name}={options[name]!r} is not an option of attn_type={attn_type!r}")
+        _check_sizes(kwargs)
         if img_pad_to is not None:
             kwargs["img_size"] = img_pad_to
         img_size = to_2tuple(kwargs.get("img_size", 224))

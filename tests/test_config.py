@@ -9,6 +9,7 @@ from helpers import ROOT, make_image_folder, run_train, tiny_config
 
 import models  # noqa: F401  (registers the models)
 import train
+from mhla import MultiHeadLinearAttention
 from mhla.training.config import DEFAULTS, ConfigError, load_config
 from mhla.training.trainer import build_model, check_buildable
 
@@ -82,7 +83,11 @@ def test_bad_values_name_the_key_and_the_file(tmp_path, content, overrides, matc
      r"model.kwargs.block_grid: .*block_grid 20x20 is larger than the token grid 4x4 \(from --set\)$"),
     ({}, ["model.kwargs.transform=nope"], r"model.kwargs.transform: .*unknown mixing transform 'nope'"),
     ({}, ["model.kwargs.nope=1"], r"model.kwargs.nope: .*unexpected keyword argument 'nope' \(from --set\)$"),
-    ({}, ["model.kwargs.depth=-1"], r"model.kwargs: cannot build deit_tiny_mhla: "),
+    ({}, ["model.kwargs.depth=-1"],
+     r"model.kwargs.depth: cannot build deit_tiny_mhla: depth must be an integer >= 0, got -1 \(from --set\)$"),
+    ({}, ["model.kwargs.patch_size=0"],
+     r"model.kwargs.patch_size: cannot build deit_tiny_mhla: patch_size must be an integer >= 1, got 0 "
+     r"\(from --set\)$"),
     ({}, ["sched.name=cosinee"], r"sched.name: Unknown scheduler 'cosinee'. \(from --set\)$"),
     ({}, ["optim.name=adamww"], r"optim.name: Optimizer adamww not found in registry \(from --set\)$"),
     ({"model": {"name": "swin_tiny_patch4_window7_224", "drop_path": 0.0, "kwargs": {"window_size": 4}}},
@@ -97,6 +102,20 @@ def test_train_refuses_bad_configs_before_any_work(tmp_path, capsys, sections, o
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and re.search(match, lines[0]), lines
     assert not (tmp_path / "output").exists()
+
+
+@pytest.mark.parametrize("bug", [RuntimeError("boom"), KeyError("block_grid"), AssertionError("num_heads")],
+                         ids=lambda e: type(e).__name__)
+def test_a_bug_while_building_the_model_keeps_its_type(tmp_path, monkeypatch, bug):
+    """Only a refused argument becomes a config error: a failing code path is not blamed on a key its message names."""
+    def broken_init(self, *args, **kwargs):
+        raise bug
+
+    monkeypatch.setattr(MultiHeadLinearAttention, "__init__", broken_init)
+    config = load_config(tiny_config(tmp_path, tmp_path))
+    with pytest.raises(type(bug)) as raised:
+        check_buildable(config)
+    assert raised.value is bug and not isinstance(raised.value, ConfigError)
 
 
 @pytest.mark.slow  # train.py in a subprocess

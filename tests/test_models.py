@@ -243,6 +243,9 @@ def test_conversion_errors(tmp_path, args, match, capsys, monkeypatch):
      "block_grid=\\(2, 2\\) is not an option of attn_type='softmax'"),
     ("deit_tiny_linear", dict(transform="cos"), ValueError, "transform='cos' is not an option of attn_type='linear'"),
     ("deit_tiny_mhla", dict(transform="sine"), ValueError, "unknown mixing transform 'sine'"),
+    ("deit_tiny_mhla", dict(num_heads=0), ValueError, "^num_heads must be an integer >= 1, got 0$"),
+    ("deit_tiny_mhla", dict(patch_size=(16, 0)), ValueError, "^patch_size must be an integer >= 1, got \\(16, 0\\)$"),
+    ("deit_tiny_softmax", dict(depth="2"), ValueError, "^depth must be an integer >= 0, got '2'$"),
 ])
 def test_bad_model_arguments(name, kwargs, error, match):
     with pytest.raises(error, match=match):

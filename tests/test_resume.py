@@ -1,4 +1,5 @@
-"""A run killed with SIGKILL and resumed ends with the same weights, EMA and metrics as an uninterrupted one."""
+"""A run killed with SIGKILL and resumed ends with the same weights, EMA and metrics as an uninterrupted one;
+one resumed with another world size says that it continues, not bit-exactly."""
 import json
 import subprocess
 import sys
@@ -7,7 +8,10 @@ import pytest
 import torch
 from helpers import ROOT, make_image_folder, run_train, tiny_config
 
-pytestmark = pytest.mark.slow  # train.py in subprocesses, killed and resumed
+import models  # noqa: F401  (registers the models)
+from mhla.training.config import load_config
+from mhla.training.distributed import DistInfo
+from mhla.training.trainer import _Run, run
 
 # Runs train.py, but kills its own process (SIGKILL: no cleanup, no final save) right after optimizer
 # step KILL_AT, before the trainer's on_step could checkpoint it: the resumed run must redo that work.
@@ -36,6 +40,7 @@ def kill_at(step: int, args: list[str], run_dir) -> dict:
     return {k: state[k] for k in ("epoch", "batch_in_epoch", "step")}
 
 
+@pytest.mark.slow  # train.py in subprocesses, killed and resumed
 def test_sigkill_at_an_epoch_end_and_mid_epoch_then_resume_gives_the_same_run(tmp_path):
     # 21 images, micro-batches of 4 (global batch 8, 2 accumulation steps): 5 micro-batches an epoch,
     # so each epoch ends with a group of one micro-batch: 3 updates an epoch, 9 in all.
@@ -72,3 +77,23 @@ def test_sigkill_at_an_epoch_end_and_mid_epoch_then_resume_gives_the_same_run(tm
     # the scheduler counts the short groups: the cosine reaches min_lr at the last update, not before
     lrs = [json.loads(line)["lr"] for line in reference_metrics.read_text().splitlines()]
     assert lrs[-1] == 1e-5 and lrs[-2] > 1e-5
+
+
+def test_resuming_with_another_world_size_says_the_run_is_not_bit_exact(tmp_path, capsys):
+    config = load_config(tiny_config(tmp_path, make_image_folder(tmp_path / "data"), epochs=1))
+    path = tmp_path / "output" / config["run_name"] / "last.pth"
+    finished = _Run(config, DistInfo(0, 1, 0, torch.device("cpu")), path.parent)
+    finished.state.epoch = 1  # the run's last epoch is done: resuming restores it and trains no further
+    finished.save(path.name)
+
+    def resume_notes() -> list[str]:
+        capsys.readouterr()
+        assert run(config, resume="auto") == []
+        return [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: resume:")]
+
+    assert resume_notes() == []
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint["rng"] = checkpoint["rng"] * 2  # as written by 2 processes
+    torch.save(checkpoint, path)
+    assert resume_notes() == ["note: resume: the checkpoint was written by 2 processes, this run has 1 process: the "
+                              "random generators are reseeded, so the run continues but not bit-exactly"]

@@ -1,13 +1,17 @@
-"""train.py end to end on small ImageFolders of real JPEG files."""
+"""train.py end to end on small ImageFolders of real JPEG files (slow ones in subprocesses)."""
 import csv
 import json
+from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from helpers import make_image_folder, run_train, tiny_config
 
-pytestmark = pytest.mark.slow  # train.py in subprocesses
+import models  # noqa: F401  (registers the models)
+from mhla.training.config import load_config
+from mhla.training.data import EpochSampler, image_folder
+from mhla.training.trainer import run
 
 METRIC_KEYS = {"epoch", "train_loss", "val_loss", "val_top1", "val_top5", "lr", "epoch_time_s"}
 
@@ -22,6 +26,7 @@ def finished_run(tmp_path_factory):
     return tmp / "output" / "config", proc
 
 
+@pytest.mark.slow
 def test_run_directory(finished_run):
     run_dir, _ = finished_run
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
@@ -31,6 +36,7 @@ def test_run_directory(finished_run):
     assert {p.name for p in run_dir.glob("*.pth")} == {"last.pth", "best.pth", "epoch_0002.pth"}
 
 
+@pytest.mark.slow
 def test_metrics_files(finished_run):
     run_dir, _ = finished_run
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -42,6 +48,7 @@ def test_metrics_files(finished_run):
     assert [float(r["val_top1"]) for r in csv_rows] == [r["val_top1"] for r in rows]
 
 
+@pytest.mark.slow
 def test_checkpoints_hold_plain_types_and_the_best_epoch(finished_run):
     run_dir, _ = finished_run
     last = torch.load(run_dir / "last.pth", weights_only=True)
@@ -52,6 +59,7 @@ def test_checkpoints_hold_plain_types_and_the_best_epoch(finished_run):
     assert last["model_name"] == "deit_tiny_mhla" and last["ema"] is not None
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_holds_the_metrics(finished_run):
     run_dir, _ = finished_run
     wandb_id = torch.load(run_dir / "last.pth", weights_only=True)["state"]["wandb_id"]
@@ -63,6 +71,7 @@ def test_wandb_offline_run_holds_the_metrics(finished_run):
             assert key.encode() in data and json.dumps(row[key]).encode() in data, key
 
 
+@pytest.mark.slow
 def test_unreadable_image_stops_naming_the_file_or_is_skipped(tmp_path):
     data = make_image_folder(tmp_path / "data")
     bad = data / "train" / "class_1" / "broken.jpg"
@@ -77,6 +86,26 @@ def test_unreadable_image_stops_naming_the_file_or_is_skipped(tmp_path):
     assert row["skipped_images"] == 1
 
 
+def test_skipping_unreadable_images_with_mixup_counts_what_it_left_out(tmp_path):
+    """Epoch 0's first batch all unreadable, one image of its second: the batch size is 4 and mixup needs pairs, so
+    the first batch is left out and the second drops a readable image. The first validation batch is unreadable too."""
+    data = make_image_folder(tmp_path / "data")
+    config = load_config(tiny_config(tmp_path, data, epochs=1, data={"on_bad_image": "skip"},
+                                     aug={"mixup": 0.8, "cutmix": 1.0}))
+    train = image_folder(data / "train")
+    order = [index for _, index in EpochSampler(len(train), 4, seed=config["seed"])]
+    val = image_folder(data / "val")
+    for dataset, indices in ((train, order[:5]), (val, range(4))):
+        for index in indices:
+            Path(dataset.reader.filename(index, absolute=True)).write_bytes(b"not a jpeg")
+    rows = run(config)
+    counts = ("step", "skipped_images", "unpaired_images", "empty_batches", "val_images", "val_skipped_images")
+    assert [rows[0][key] for key in counts] == [6, 5, 1, 1, 8, 4]
+    logged = json.loads((tmp_path / "output" / "config" / "metrics.jsonl").read_text())
+    assert [logged[key] for key in counts] == [6, 5, 1, 1, 8, 4]
+
+
+@pytest.mark.slow
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     config = tiny_config(tmp_path, make_image_folder(tmp_path / "data"), optim={"lr": 1e30, "weight_decay": 0.0},
                          sched={"warmup_epochs": 0}, checkpoint={"interval_steps": 1}, ema={"enabled": False})
@@ -89,6 +118,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     assert last["state"]["step"] == failed_step - 1
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_matches_one_large_batch(tmp_path):
     config = tiny_config(tmp_path, make_image_folder(tmp_path / "data"), epochs=1, data={"batch_size": 8},
                          ema={"enabled": False}, optim={"lr": 1e-3, "clip_grad": 1.0})

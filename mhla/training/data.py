@@ -150,7 +150,11 @@ class AugmentedDataset(Dataset):
 
 
 def collate_skipping(batch: list) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Stack ``(image, label)`` pairs, leaving out None (skipped images); returns their count too."""
+    """Stack ``(image, label)`` pairs, leaving out None (skipped images); returns their count too.
+
+    A batch of skipped images alone gives empty tensors, which ``train_one_epoch`` and ``evaluate`` leave
+    out (counted); with mixup, training also drops the last image of an odd batch.
+    """
     kept = [item for item in batch if item is not None]
     if not kept:
         return torch.empty(0), torch.empty(0, dtype=torch.long), len(batch)

@@ -27,13 +27,13 @@ from timm.utils import ModelEmaV3, unwrap_model
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Subset
 
-from .checkpoint import get_rng_state, load_checkpoint, save_atomic, set_rng_state
+from .checkpoint import CheckpointError, get_rng_state, load_checkpoint, save_atomic, set_rng_state
 from .compiling import compile_blocks, model_blocks
 from .config import ConfigError, micro_batch_size, where_set
 from .data import EpochSampler, build_datasets, collate_skipping, shard_indices
 from .distributed import DistInfo, init_distributed
-from .engine import TrainState, evaluate, train_one_epoch
-from .finetune import init_state_dict, load_init_weights
+from .engine import COUNTS, TrainState, evaluate, train_one_epoch
+from .finetune import InitWeightsError, init_state_dict, load_init_weights
 from .run_log import MetricsLog, start_wandb, write_run_info
 from .shards import shard_datasets
 
@@ -83,7 +83,11 @@ def _model_key(message: str, config: dict) -> str:
     return named[0] if named else "model.kwargs"
 
 
-_BUILD_ERRORS = (ValueError, TypeError, AssertionError, KeyError, RuntimeError)
+# What a bad value in the config makes a builder raise: the models' own checks a ValueError naming the
+# keyword, timm's and torch's constructors a ValueError for a bad value, a TypeError for an unknown
+# keyword or a wrong type. Any other error (RuntimeError, AssertionError, KeyError, ...) is a code path
+# failing, not an argument refused: it keeps its traceback.
+_ARGUMENT_ERRORS = (ValueError, TypeError)
 
 
 def _first_line(error: Exception) -> str:
@@ -91,11 +95,11 @@ def _first_line(error: Exception) -> str:
 
 
 @contextlib.contextmanager
-def _config_error(key: str, sources: dict):
-    """Turn an error raised while building from the config into a ``ConfigError`` naming ``key``."""
+def _config_error(key: str, sources: dict, errors: tuple[type[Exception], ...] = _ARGUMENT_ERRORS):
+    """Turn one of ``errors`` raised while building from the config into a ``ConfigError`` naming ``key``."""
     try:
         yield
-    except _BUILD_ERRORS as e:
+    except errors as e:
         raise ConfigError(f"{key}: {_first_line(e)}{where_set(key, sources)}") from None
 
 
@@ -104,18 +108,19 @@ def check_buildable(config: dict) -> None:
 
     With ``model.init_from``, the file's weights are fitted to the model (read, positions resampled,
     keys and shapes checked; nothing loaded). Raises ``ConfigError``: one line naming the key the problem
-    is about and where it was set. Call after ``check_resources`` (the model name is registered, the
-    ``model.init_from`` file exists).
+    is about and where it was set, for the errors that refuse an argument (``_ARGUMENT_ERRORS``) or a
+    weights file; any other error is a bug and propagates with its traceback. Call after ``check_resources``
+    (the model name is registered, the ``model.init_from`` file exists).
     """
     sources, name = config.get("_sources", {}), config["model"]["name"]
     try:
         with torch.device("meta"):
             model = build_model(config, num_classes=timm.get_pretrained_cfg(name).num_classes)
-    except _BUILD_ERRORS as e:
+    except _ARGUMENT_ERRORS as e:
         key = _model_key(_first_line(e), config)
         raise ConfigError(f"{key}: cannot build {name}: {_first_line(e)}{where_set(key, sources)}") from None
     if config["model"]["init_from"] is not None:
-        with _config_error("model.init_from", sources):
+        with _config_error("model.init_from", sources, (CheckpointError, InitWeightsError)):
             init_state_dict(config["model"]["init_from"], model)
     if config["compile"] == "blocks":
         with _config_error("compile", sources):
@@ -132,6 +137,11 @@ def _seed(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2 ** 32)
     torch.manual_seed(seed)
+
+
+def _processes(count: int) -> str:
+    """``1 process``, ``2 processes``."""
+    return f"{count} process" if count == 1 else f"{count} processes"
 
 
 def _gather_rng(info: DistInfo) -> list:
@@ -182,9 +192,8 @@ class _Run:
 
         self.model = build_model(config, num_classes).to(info.device)
         if init_weights and config["model"]["init_from"] is not None:
-            notices = load_init_weights(self.model, config["model"]["init_from"])
-            if info.is_main:
-                print("\n".join(f"note: model.init_from: {n}" for n in notices), file=sys.stderr, flush=True)
+            for notice in load_init_weights(self.model, config["model"]["init_from"]):
+                self.note(f"model.init_from: {notice}")
         self.optimizer = build_optimizer(self.model, optim)
         updates_per_epoch = max(1, math.ceil(self.sampler.batches_per_epoch / accum))  # a short last group updates too
         self.scheduler = build_scheduler(self.optimizer, config, updates_per_epoch)
@@ -214,6 +223,11 @@ class _Run:
         self.state = TrainState()
         self.metrics = MetricsLog(run_dir)
 
+    def note(self, message: str) -> None:
+        """A one-line notice on stderr, from the main process."""
+        if self.info.is_main:
+            print(f"note: {message}", file=sys.stderr, flush=True)
+
     def epoch_loader(self) -> "_Batches":
         """The rest of the current epoch's training batches: from ``state.batch_in_epoch`` to the epoch's end."""
         self.sampler.set_epoch(self.state.epoch, start_batch=self.state.batch_in_epoch)
@@ -234,6 +248,8 @@ class _Run:
         }
 
     def load_state_dict(self, checkpoint: dict) -> None:
+        """Continue from ``checkpoint``. Written by as many processes as this run has, every process takes its
+        own RNG states back (bit-exact resume); else they are reseeded from (seed, step, rank), with a notice."""
         unwrap_model(self.model).load_state_dict(checkpoint["model"])
         self.optimizer.load_state_dict(checkpoint["optimizer"])
         self.scheduler.load_state_dict(checkpoint["scheduler"])
@@ -246,6 +262,9 @@ class _Run:
         if len(rng) == self.info.world_size:
             set_rng_state(rng[self.info.rank])
         else:
+            self.note(f"resume: the checkpoint was written by {_processes(len(rng))}, this run has "
+                      f"{_processes(self.info.world_size)}: the random generators are reseeded, so the run "
+                      f"continues but not bit-exactly")
             _seed(self.config["seed"] + 1_000_003 * self.state.step + self.info.rank)
 
     def save(self, *names: str) -> None:
@@ -267,7 +286,8 @@ class _Run:
                "train_loss": self.state.loss_sum / max(self.state.samples, 1), "val_loss": val["loss"],
                "val_top1": val["top1"], "val_top5": val["top5"], "val_images": val["count"],
                "lr": self.optimizer.param_groups[0]["lr"], "epoch_time_s": epoch_time,
-               "skipped_images": self.state.skipped}
+               "skipped_images": self.state.skipped, "unpaired_images": self.state.unpaired,
+               "empty_batches": self.state.empty_batches, "val_skipped_images": val["skipped"]}
         if self.ema is not None:
             ema_val = evaluate(self.ema.module, self.val_loader, self.info, self.autocast)
             row.update(ema_val_top1=ema_val["top1"], ema_val_top5=ema_val["top5"])
@@ -278,7 +298,7 @@ class _Run:
             self.metrics.write(row)
         epoch = self.state.epoch
         self.state = dataclasses.replace(self.state, epoch=epoch + 1, batch_in_epoch=0, loss_sum=0.0, samples=0,
-                                         skipped=0)
+                                         **dict.fromkeys(COUNTS, 0))
         keep = self.config["checkpoint"]["keep"]
         names = ["last.pth"] + (["best.pth"] if is_best else []) + ([f"epoch_{epoch:04d}.pth"] if keep else [])
         self.save(*names)
