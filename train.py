@@ -11,11 +11,10 @@ import argparse
 import sys
 
 import models  # noqa: F401  (registers the models)
-from mhla.training.checkpoint import CheckpointError
 from mhla.training.config import ConfigError, check_resources, load_config
 from mhla.training.engine import EmptyBatchError, NonFiniteLossError
-from mhla.training.finetune import InitWeightsError
 from mhla.training.trainer import check_buildable, run
+from mhla.weights import WeightsError
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -44,7 +43,7 @@ def main(argv=None) -> int:
         return 2
     try:
         run(config, resume=args.resume, argv=sys.argv if argv is None else ["train.py", *argv])
-    except (NonFiniteLossError, EmptyBatchError, CheckpointError, InitWeightsError) as e:
+    except (NonFiniteLossError, EmptyBatchError, WeightsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -29,7 +29,6 @@ from timm.utils import ParseKwargs
 from torch.utils.data import DataLoader, Subset
 
 import models  # noqa: F401  (registers the models)
-from mhla.training.checkpoint import CheckpointError, load_checkpoint
 from mhla.training.config import DATASETS, DEFAULTS, READER_PREFIXES, ConfigError, load_config
 from mhla.training.data import (
     AugmentedDataset,
@@ -40,7 +39,8 @@ from mhla.training.data import (
     shard_indices,
 )
 from mhla.training.distributed import init_distributed
-from mhla.training.evaluation import WeightsError, load_weights, measure, resolve_model
+from mhla.training.evaluation import load_weights, measure, resolve_model
+from mhla.weights import WeightsError, read_checkpoint, unwrap_state_dict
 
 KEYS = ["model", "checkpoint", "img_size", "top1", "top5", "loss", "num_images", "img_per_s", "params", "gmacs"]
 
@@ -66,12 +66,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def resolve(args) -> tuple[dict, dict]:
-    """The checkpoint's content and what to evaluate (model, data, transform); or ConfigError/WeightsError."""
+    """The weights to load (``--ema``: the EMA's) and what to evaluate (model, data, transform); or
+    ConfigError/WeightsError."""
     if not Path(args.checkpoint).is_file():
         raise ConfigError(f"--checkpoint: {args.checkpoint} does not exist")
-    checkpoint = load_checkpoint(args.checkpoint)
+    checkpoint = read_checkpoint(args.checkpoint)
+    state = unwrap_state_dict(checkpoint, args.ema, args.checkpoint)
     config = load_config(args.config) if args.config else None
-    model = resolve_model(checkpoint, args.model, args.model_kwargs, config)
+    model = resolve_model(checkpoint, args.model, args.model_kwargs, config, args.ema)
     if config is not None:
         data = config["data"]
         spec = dict(dataset=data["dataset"], root=data["root"], val_fraction=data["val_fraction"],
@@ -91,7 +93,7 @@ def resolve(args) -> tuple[dict, dict]:
             raise ConfigError(f"--data-dir: {spec['root']} is not a directory")
     spec.update(model=model.name, kwargs=model.kwargs, crop_pct=model.crop_pct, interpolation=model.interpolation,
                 img_size=args.img_size or model.img_size or timm.get_pretrained_cfg(model.name).input_size[-1])
-    return checkpoint, spec
+    return state, spec
 
 
 def dataset_for(spec: dict, from_config: bool):
@@ -105,16 +107,16 @@ def dataset_for(spec: dict, from_config: bool):
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        checkpoint, spec = resolve(args)
+        state, spec = resolve(args)
         dataset = dataset_for(spec, bool(args.config))
-    except (ConfigError, WeightsError, CheckpointError, FileNotFoundError, ImportError, RuntimeError) as e:
+    except (ConfigError, WeightsError, FileNotFoundError, ImportError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     info = init_distributed(args.device)
     try:
         model = timm.create_model(spec["model"], num_classes=len(dataset.classes), img_size=spec["img_size"],
                                   **spec["kwargs"])
-        load_weights(model, args.checkpoint, args.ema, checkpoint)
+        load_weights(model, state, args.checkpoint)
     except (WeightsError, ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,4 +1,9 @@
-"""MHLA: multi-head linear attention (token-level heads over spatial blocks) for vision transformers."""
+"""MHLA: multi-head linear attention (token-level heads over spatial blocks) for vision transformers.
+
+Besides the attention (``ops``, ``naive``, ``fused``, ``blocks``, ``mixing``, ``lepe``, ``norm``, ``attention``),
+the library holds ``analysis``, ``flops`` and ``benchmark`` helpers and ``weights``, the one reader of weights
+files (``import mhla.weights``: it uses timm, which ``import mhla`` does not load).
+"""
 from .attention import LinearAttention, MultiHeadLinearAttention
 from .blocks import BlockLayout, block_layout
 from .fused import qkv_attention

@@ -17,12 +17,12 @@ the two share and initialises the rest:
   another class count, ``head_dist``) are dropped;
 - MHLA-only parameters (mixing W, LePE, q/k RMSNorm) keep the target model's initialisation.
 """
-import math
 import re
 
 import torch
-from timm.layers import resample_abs_pos_embed
 from torch import nn
+
+from mhla.weights import first_keys, resample_pos_embed, unwrap_state_dict
 
 __all__ = ["OFFICIAL_ATTENTION_KEYS", "convert_official", "convert_softmax_deit"]
 
@@ -45,22 +45,6 @@ SOFTMAX_ATTENTION_KEYS = {"qkv.weight", "qkv.bias", "proj.weight", "proj.bias", 
 _ATTN = re.compile(r"^(blocks\.\d+\.attn\.)(.+)$")
 
 
-def _first(names: list[str], count: int = 3) -> str:
-    return ", ".join(names[:count]) + (f" (+{len(names) - count} more)" if len(names) > count else "")
-
-
-def unwrap_state_dict(checkpoint: dict, use_ema: bool = False) -> dict[str, torch.Tensor]:
-    """The model weights in a checkpoint: timm's ``state_dict`` / ``state_dict_ema``, a ``model`` entry, or the
-    dict itself; a ``module.`` prefix (DistributedDataParallel) is removed."""
-    key = "state_dict_ema" if use_ema else "state_dict"
-    if use_ema and key not in checkpoint:
-        raise ValueError("no 'state_dict_ema' in the checkpoint (trained without --model-ema?)")
-    state = checkpoint.get(key, checkpoint.get("model", checkpoint))
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ValueError("no state dict of tensors found (looked for 'state_dict', 'model' and the top level)")
-    return {k.removeprefix("module."): v for k, v in state.items()}
-
-
 def convert_official(
         checkpoint: dict,
         model: nn.Module,
@@ -74,9 +58,9 @@ def convert_official(
 
     Args:
         checkpoint: what the released timm training script saved (``state_dict``, ``state_dict_ema``),
-            a dict holding the weights under ``model``, or a bare state dict.
+            a dict holding the weights under ``model``, or a bare state dict (``mhla.weights.unwrap_state_dict``).
         model: the target, built with the released model's sizes.
-        use_ema: take ``state_dict_ema``.
+        use_ema: take the EMA weights (``state_dict_ema``).
 
     Returns:
         The state dict and a report: ``mixing_out_of_range``, ``(key, min, max)`` of every W with
@@ -85,7 +69,8 @@ def convert_official(
 
     Raises:
         ValueError: not a released-code checkpoint (e.g. a timm softmax DeiT), keys that have no place
-            in ``model`` or that ``model`` lacks, or shapes that differ; the message names them.
+            in ``model`` or that ``model`` lacks, or shapes that differ; the message names them. Weights that
+            are not where ``use_ema`` says are a ``mhla.weights.WeightsError`` (a ``ValueError``).
     """
     state = unwrap_state_dict(checkpoint, use_ema)
     if not any(_ATTN.match(k) and _ATTN.match(k).group(2) == "to_qkv.weight" for k in state):
@@ -104,12 +89,13 @@ def convert_official(
                 value = value.flatten(1)  # [M, M, 1, 1] -> [M, M]
         out[name] = value
     if unknown:
-        raise ValueError(f"{len(unknown)} keys of the released attention are not known: {_first(unknown)}")
+        raise ValueError(f"{len(unknown)} keys of the released attention are not known: {first_keys(unknown)}")
     unexpected = [k for k in out if k not in target]
     missing = [k for k in target if k not in out]
     if unexpected or missing:
         raise ValueError(f"the checkpoint does not fit {type(model).__name__}: {len(unexpected)} keys without a "
-                         f"place ({_first(unexpected) or '-'}), {len(missing)} missing ({_first(missing) or '-'})")
+                         f"place ({first_keys(unexpected) or '-'}), {len(missing)} missing "
+                         f"({first_keys(missing) or '-'})")
     for name, value in out.items():
         if value.shape != target[name].shape:
             raise ValueError(f"{name} has shape {tuple(value.shape)}, the model expects {tuple(target[name].shape)}")
@@ -133,12 +119,12 @@ def convert_softmax_deit(
         A complete state dict for ``model`` (loads with ``strict=True``) and a report with the
         source keys ``copied`` and ``dropped`` and the target keys ``initialised`` from ``model``.
     """
-    state_dict = unwrap_state_dict(state_dict)
+    state_dict = unwrap_state_dict(state_dict, ema_option=None)
     if "pos_embed" not in state_dict or "patch_embed.proj.weight" not in state_dict:
         raise ValueError("not a ViT/DeiT state dict: 'pos_embed' or 'patch_embed.proj.weight' is missing")
     foreign = [k for k in state_dict if _ATTN.match(k) and _ATTN.match(k).group(2) not in SOFTMAX_ATTENTION_KEYS]
     if foreign:
-        raise ValueError(f"not a softmax DeiT: {len(foreign)} attention keys of another kind ({_first(foreign)}); "
+        raise ValueError(f"not a softmax DeiT: {len(foreign)} attention keys of another kind ({first_keys(foreign)}); "
                          f"a checkpoint of the released MHLA code converts with convert_official")
     target = model.state_dict()
     source_prefix = sum(name in state_dict for name in ("cls_token", "dist_token"))
@@ -146,7 +132,7 @@ def convert_softmax_deit(
     for name, value in state_dict.items():
         dest = name
         if name == "pos_embed":
-            value = _resample_positions(value, source_prefix, model)
+            value, _ = resample_pos_embed(value, model, source_prefix)
         elif name.startswith("norm.") and name not in target and "fc_" + name in target:
             dest = "fc_" + name
         if dest in target and target[dest].shape == value.shape:
@@ -160,14 +146,3 @@ def convert_softmax_deit(
             report["initialised"].append(name)
     return out, report
 
-
-def _resample_positions(pos_embed: torch.Tensor, source_prefix: int, model: nn.Module) -> torch.Tensor:
-    """``[1, P + gh * gw, C]`` source positions -> the target's prefix and grid."""
-    patches = pos_embed[:, source_prefix:]
-    side = math.isqrt(patches.shape[1])
-    if side * side != patches.shape[1]:
-        raise ValueError(f"pos_embed has {patches.shape[1]} patch positions, not a square grid")
-    patches = resample_abs_pos_embed(patches, new_size=list(model.patch_embed.grid_size), old_size=[side, side],
-                                     num_prefix_tokens=0)
-    keep_prefix = 0 if getattr(model, "no_embed_class", False) else getattr(model, "num_prefix_tokens", 0)
-    return torch.cat([pos_embed[:, :min(keep_prefix, source_prefix)], patches], dim=1)

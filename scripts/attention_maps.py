@@ -18,10 +18,10 @@ from timm.data import resolve_data_config
 
 import models  # noqa: F401  (registers the models)
 from mhla.analysis import attention_map, capture_attention
-from mhla.training.checkpoint import CheckpointError
 from mhla.training.config import ConfigError
 from mhla.training.data import SKIMAGE_PHOTOS, SkimagePhotos, eval_transform
-from mhla.training.evaluation import WeightsError, load_model_specs
+from mhla.training.evaluation import load_model_specs
+from mhla.weights import WeightsError
 
 
 def load_image(name: str) -> Image.Image:
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     image = load_image(args.image)
     try:
         loaded = load_model_specs(args.model, args.img_size)
-    except (WeightsError, CheckpointError, ConfigError) as e:
+    except (WeightsError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     rows = []

@@ -28,10 +28,10 @@ from tqdm import tqdm
 
 import models  # noqa: F401  (registers the models)
 from mhla.analysis import attention_matrix, capture_attention, matrix_rank, row_entropy
-from mhla.training.checkpoint import CheckpointError
 from mhla.training.config import ConfigError
 from mhla.training.data import AugmentedDataset, MNIST5k, SkimagePhotos, collate_skipping, eval_transform, image_folder
-from mhla.training.evaluation import WeightsError, load_model_specs
+from mhla.training.evaluation import load_model_specs
+from mhla.weights import WeightsError
 
 PAPER = {"linear": (58.4, 5.12), "softmax": (254.8, 4.13), "mhla": (233.4, 4.06)}  # DeiT-T, 256 tokens
 
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     base = images_for(args)
     try:
         loaded = load_model_specs(args.model, args.img_size)
-    except (WeightsError, CheckpointError, ConfigError) as e:
+    except (WeightsError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     results = {}

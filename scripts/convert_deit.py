@@ -2,20 +2,21 @@
 
     python scripts/convert_deit.py --src deit_tiny.pth --model deit_tiny_mhla --out mhla_init.pth
 
-The source is a state dict (or a checkpoint holding one under "model") in timm's
-``deit_*_patch16_224`` layout. The output is a plain state dict for ``--model`` (built with
-``--img-size``), written atomically; load it with ``timm.create_model(name, checkpoint_path=...)``.
-See ``models.convert`` for what is copied, resampled, dropped and initialised.
+The source is a state dict (or a checkpoint holding one under "model" or "state_dict", read by
+``mhla.weights.read_checkpoint``) in timm's ``deit_*_patch16_224`` layout. The output is a plain state
+dict for ``--model`` (built with ``--img-size``), written atomically; load it with
+``timm.create_model(name, checkpoint_path=...)``. See ``models.convert`` for what is copied, resampled,
+dropped and initialised.
 """
 import argparse
 import sys
 from pathlib import Path
 
 import timm
-import torch
 
 import models
 from mhla.training.checkpoint import save_atomic
+from mhla.weights import WeightsError, read_checkpoint
 
 
 def main(argv=None) -> int:
@@ -25,20 +26,17 @@ def main(argv=None) -> int:
     parser.add_argument("--img-size", type=int, default=224, help="target resolution (positions are resampled)")
     parser.add_argument("--out", type=Path, required=True, help="output .pth")
     args = parser.parse_args(argv)
-    if not args.src.is_file():
-        print(f"error: --src {args.src} does not exist", file=sys.stderr)
-        return 2
     if not timm.is_model(args.model):
         print(f"error: --model {args.model!r} is not a registered model", file=sys.stderr)
         return 2
     try:
-        state_dict = torch.load(args.src, map_location="cpu", weights_only=True)
-    except Exception as e:  # a truncated or foreign file
-        print(f"error: --src {args.src} is not a readable PyTorch checkpoint ({type(e).__name__})", file=sys.stderr)
+        checkpoint = read_checkpoint(args.src)
+    except WeightsError as e:
+        print(f"error: --src: {e}", file=sys.stderr)
         return 2
     model = timm.create_model(args.model, img_size=args.img_size)
     try:
-        converted, report = models.convert_softmax_deit(state_dict, model)
+        converted, report = models.convert_softmax_deit(checkpoint, model)
     except ValueError as e:
         print(f"error: --src {args.src}: {e}", file=sys.stderr)
         return 2

@@ -5,7 +5,9 @@
     python scripts/convert_official.py --src linear.pth.tar --model deit_small_linear --out linear_s.pth
 
 The source is what the released timm training script (DAGroup-PKU/MHLA, ``mhla_image_classification``)
-saved: its ``state_dict`` (or ``state_dict_ema`` with ``--ema``), or a bare state dict. Its MHLA models
+saved, ``model_best.pth.tar`` or ``last.pth.tar`` as timm's ``CheckpointSaver`` writes them (read with
+``weights_only=True``, its ``args`` namespace allowed: ``mhla.weights.read_checkpoint``): their
+``state_dict`` (or ``state_dict_ema`` with ``--ema``), or a bare state dict. Its MHLA models
 convert into ``deit_{tiny,small,base}_mhla_official``, its linear ones into ``deit_{small,tiny}_linear``;
 the class count comes from the checkpoint's head. The output is a plain state dict, written atomically,
 that loads with ``strict=True``: ``timm.create_model(NAME, checkpoint_path=OUT)``. Mixing matrices
@@ -19,7 +21,8 @@ import timm
 from timm.utils import ParseKwargs
 
 import models
-from mhla.training.checkpoint import CheckpointError, load_checkpoint, save_atomic
+from mhla.training.checkpoint import save_atomic
+from mhla.weights import read_checkpoint, unwrap_state_dict
 
 
 def main(argv=None) -> int:
@@ -35,12 +38,12 @@ def main(argv=None) -> int:
         print(f"error: --model {args.model!r} is not a registered model", file=sys.stderr)
         return 2
     try:
-        checkpoint = load_checkpoint(args.src)
-        state = models.convert.unwrap_state_dict(checkpoint, args.ema)
+        checkpoint = read_checkpoint(args.src)
+        state = unwrap_state_dict(checkpoint, args.ema)
         num_classes = state["head.weight"].shape[0] if "head.weight" in state else 0
         model = timm.create_model(args.model, num_classes=num_classes, **args.model_kwargs)
         converted, report = models.convert_official(checkpoint, model, args.ema)
-    except (CheckpointError, ValueError, TypeError) as e:
+    except (ValueError, TypeError) as e:  # mhla.weights.WeightsError is a ValueError
         print(f"error: --src {args.src}: {e}", file=sys.stderr)
         return 2
     save_atomic(converted, args.out)

@@ -221,7 +221,7 @@ def test_conversion_resamples_positions_to_another_resolution():
 
 
 @pytest.mark.parametrize("args,match", [
-    (["--src", "missing.pth"], "--src missing.pth does not exist"),
+    (["--src", "missing.pth"], "--src: checkpoint missing.pth does not exist"),
     (["--model", "deit_tiny_nope"], "--model 'deit_tiny_nope' is not a registered model"),
 ])
 def test_conversion_errors(tmp_path, args, match, capsys, monkeypatch):

@@ -1,9 +1,12 @@
 """The released code's models, reproduced: its checkpoints convert and give its logits.
 
 The fixtures are small models built and run by the released code itself (DAGroup-PKU/MHLA, commit
-ccf97b2, timm 1.0.15), every parameter perturbed; ``tests/fixtures/make_official_fixtures.py`` says
-how they were made. Nothing is fetched here.
+ccf97b2, timm 1.0.15), every parameter perturbed, one of them trained two steps and saved by timm's
+``CheckpointSaver`` as the released training script saves it; ``tests/fixtures/make_official_fixtures.py``
+says how they were made. Nothing is fetched here.
 """
+import argparse
+
 import pytest
 import timm
 import torch
@@ -15,6 +18,8 @@ from models.convert import convert_official, convert_softmax_deit
 
 FIXTURES = ROOT / "tests" / "fixtures"
 SIZES = dict(embed_dim=48, num_heads=2, depth=2, mlp_ratio=2.0, patch_size=4, num_classes=10)  # as the fixtures
+SAVER_SIZES = dict(SIZES, embed_dim=8, depth=1)  # official_mhla_best.pth.tar
+SAVED = FIXTURES / "official_mhla_best.pth.tar"
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +32,11 @@ def official_linear():
     return torch.load(FIXTURES / "official_linear.pt", weights_only=True)
 
 
+@pytest.fixture(scope="module")
+def saved_logits():
+    return torch.load(FIXTURES / "official_mhla_best_logits.pt", weights_only=True)
+
+
 def mhla_official(**kwargs):
     return timm.create_model("deit_tiny_mhla_official", img_pad_to=64, **SIZES, **kwargs).double().eval()
 
@@ -36,13 +46,23 @@ def logits_of(model, fixture):
         return model(fixture["input"])
 
 
-def test_the_fixtures_come_from_the_released_code(official_mhla, official_linear):
-    for fixture in (official_mhla, official_linear):
+def test_the_fixtures_come_from_the_released_code(official_mhla, official_linear, saved_logits):
+    for fixture in (official_mhla, official_linear, saved_logits):
         assert fixture["source"]["commit"] == "ccf97b2" and fixture["source"]["timm"] == "1.0.15"
+    for fixture in (official_mhla, official_linear):
         assert "blocks.1.attn.to_qkv.weight" in fixture["state_dict"]
     assert "blocks.0.attn.piece_attn.conv.weight" in official_mhla["state_dict"]
     assert official_mhla["input"].shape == (2, 3, 56, 56) and official_mhla["logits"].dtype == torch.float64
-    assert sum(p.stat().st_size for p in FIXTURES.glob("*.pt")) < 1_000_000
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        saved = torch.load(SAVED, weights_only=True)
+    assert list(saved) == ["epoch", "arch", "state_dict", "optimizer", "version", "args", "state_dict_ema", "metric"]
+    assert isinstance(saved["args"], argparse.Namespace) and saved["args"].model == saved["arch"]
+    assert saved["args"].model_ema and saved["version"] == 2 and set(saved["optimizer"]) == {"state", "param_groups"}
+    assert "blocks.0.attn.piece_attn.conv.weight" in saved["state_dict"]
+    assert saved_logits["input"].shape == (2, 3, 32, 32) and saved_logits["logits"].dtype == torch.float32
+    sizes = {p.name: p.stat().st_size for p in FIXTURES.iterdir() if p.is_file() and p.suffix != ".py"}
+    assert sizes[SAVED.name] + sizes["official_mhla_best_logits.pt"] < 200_000
+    assert sum(sizes.values()) < 1_100_000
 
 
 def test_a_converted_mhla_checkpoint_gives_the_released_logits(official_mhla):
@@ -106,7 +126,7 @@ def test_prefixes_ema_and_out_of_range_mixing(official_mhla):
     constrained.load_state_dict(converted, strict=True)
     logits_of(constrained, official_mhla)
     assert constrained.blocks[1].attn.mixing.weight[0, 0] == 0.0
-    with pytest.raises(ValueError, match="no 'state_dict_ema' in the checkpoint"):
+    with pytest.raises(ValueError, match="the checkpoint holds no EMA weights"):
         convert_official({"state_dict": official_mhla["state_dict"]}, model, use_ema=True)
 
 
@@ -140,12 +160,65 @@ def test_the_cli_converts_and_refuses_in_one_line(official_mhla, tmp_path, capsy
     for main, src, match in ((convert, softmax, "not a checkpoint of the released MHLA code"),
                              (convert_deit, FIXTURES / "official_mhla.pt", "not a softmax DeiT"),
                              (convert, truncated, "cannot be read"),
-                             (convert_deit, truncated, "is not a readable PyTorch checkpoint")):
+                             (convert_deit, truncated, "cannot be read")):
         assert main(["--src", str(src), "--out", str(tmp_path / "x.pth")]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error:") and match in err[0], err
     assert not (tmp_path / "x.pth").exists()
     assert models.convert_official is convert_official
+
+
+class Unlisted:
+    """A class that no checkpoint may unpickle."""
+
+
+def convert_saved(src, out, *flags):
+    """``scripts/convert_official.py`` on a checkpoint of the released training script's sizes."""
+    sizes = [f"{k}={v}" for k, v in SAVER_SIZES.items() if k != "num_classes"]
+    return load_script("convert_official").main(["--src", str(src), "--model-kwargs", *sizes, "img_pad_to=64",
+                                                 *flags, "--out", str(out)])
+
+
+@pytest.mark.parametrize("flags,logits", [([], "logits"), (["--ema"], "ema_logits")], ids=["model", "ema"])
+def test_a_checkpoint_as_the_released_training_script_saves_it_converts(saved_logits, tmp_path, capsys, flags,
+                                                                        logits):
+    out = tmp_path / "converted.pth"
+    assert convert_saved(SAVED, out, *flags) == 0
+    converted = torch.load(out, weights_only=True)
+    assert capsys.readouterr().out == f"{out}: {len(converted)} tensors for deit_tiny_mhla_official (10 classes)\n"
+    model = timm.create_model("deit_tiny_mhla_official", img_pad_to=64, **SAVER_SIZES).eval()
+    model.load_state_dict(converted, strict=True)
+    assert (logits_of(model, saved_logits) - saved_logits[logits]).abs().max() <= 1e-5
+    assert (saved_logits["logits"] - saved_logits["ema_logits"]).abs().max() > 1e-2  # the two are told apart
+
+
+def test_ema_weights_alone_convert_with_ema_only(tmp_path, capsys):
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        saved = torch.load(SAVED, weights_only=True)
+    ema_only = tmp_path / "ema_only.pth.tar"
+    torch.save({k: v for k, v in saved.items() if k != "state_dict"}, ema_only)
+    capsys.readouterr()
+    assert convert_saved(ema_only, tmp_path / "x.pth") == 2
+    assert capsys.readouterr().err == (f"error: --src {ema_only}: the checkpoint holds only EMA weights "
+                                       f"('state_dict_ema'), no 'state_dict' or 'model': --ema reads them\n")
+    assert not (tmp_path / "x.pth").exists()
+    assert convert_saved(ema_only, tmp_path / "x.pth", "--ema") == 0
+
+
+def test_a_checkpoint_holding_another_class_is_refused_in_one_plain_line(tmp_path, capsys):
+    """``args`` (``argparse.Namespace``) is the one class allowed beyond ``weights_only``'s own."""
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        saved = torch.load(SAVED, weights_only=True)
+    unsafe = tmp_path / "unsafe.pth.tar"
+    torch.save({**saved, "extra": Unlisted()}, unsafe)
+    capsys.readouterr()
+    assert convert_saved(unsafe, tmp_path / "x.pth") == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: --src {unsafe}: checkpoint {unsafe} cannot be read (it holds a pickled object of type "
+                   f"{Unlisted.__module__}.Unlisted that is not allowed: a checkpoint holds tensors, plain Python "
+                   f"types and argparse.Namespace)\n")
+    assert "\x1b" not in err and "weights_only=False" not in err
+    assert not (tmp_path / "x.pth").exists()
 
 
 def test_model_sizes_lists_ours_beside_the_released_counts(capsys):

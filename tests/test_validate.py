@@ -12,7 +12,8 @@ from helpers import ROOT, make_image_folder, run_train, tiny_config
 
 import models  # noqa: F401  (registers the models)
 import validate
-from mhla.training.evaluation import WeightsError, load_model_spec, resolve_model
+from mhla.training.evaluation import load_model_spec, resolve_model
+from mhla.weights import WeightsError
 
 pytestmark = pytest.mark.slow  # train.py and validate.py in subprocesses
 

@@ -1,7 +1,7 @@
-"""Checkpoints: written atomically, read with ``weights_only=True``, with every RNG state for exact resume.
+"""Training checkpoints: written atomically, read back to resume, with every RNG state for exact resume.
 
-A checkpoint holds plain types only (tensors, numbers, strings, lists, dicts), so it loads without
-unpickling arbitrary objects.
+A checkpoint holds plain types only (tensors, numbers, strings, lists, dicts), so it loads with
+``weights_only=True`` (``mhla.weights.read_checkpoint``) without unpickling arbitrary objects.
 """
 import os
 import random
@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["CheckpointError", "get_rng_state", "load_checkpoint", "save_atomic", "set_rng_state"]
+from ..weights import WeightsError, read_checkpoint
 
+__all__ = ["RESUME_KEYS", "get_rng_state", "load_checkpoint", "save_atomic", "set_rng_state"]
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing or cannot be read; the message names the file."""
+RESUME_KEYS = ("model", "optimizer", "scheduler", "scaler", "ema", "state", "rng")  # what resuming restores
 
 
 def save_atomic(obj: object, path: str | os.PathLike) -> Path:
@@ -36,15 +36,18 @@ def save_atomic(obj: object, path: str | os.PathLike) -> Path:
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict:
-    """Read a checkpoint (``weights_only=True``) or raise ``CheckpointError`` naming the file."""
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated, foreign or unsafe files all end here
-        reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        raise CheckpointError(f"checkpoint {path} cannot be read ({reason})") from None
+    """A ``train.py`` checkpoint to resume from, read by ``mhla.weights.read_checkpoint``.
+
+    Raises:
+        WeightsError: the file is missing or unreadable, or lacks an entry of ``RESUME_KEYS`` (weights alone
+            start a fresh run with ``model.init_from``); the message names the file.
+    """
+    checkpoint = read_checkpoint(path)
+    missing = [key for key in RESUME_KEYS if key not in checkpoint]
+    if missing:
+        raise WeightsError(f"checkpoint {path} is not a train.py checkpoint to resume from: no "
+                           f"{', '.join(map(repr, missing))} (weights alone start a fresh run with model.init_from)")
+    return checkpoint
 
 
 def get_rng_state() -> dict:

@@ -3,48 +3,25 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from timm.models.vision_transformer import checkpoint_filter_fn
 
 from ..flops import count_macs
-from .checkpoint import load_checkpoint
+from ..weights import WeightsError, read_checkpoint, resample_pos_embed, unwrap_state_dict
 from .distributed import DistInfo
 from .engine import evaluate
 
-__all__ = ["ModelSpec", "WeightsError", "load_model_spec", "load_model_specs", "load_weights", "measure",
-           "resolve_model"]
+__all__ = ["ModelSpec", "load_model_spec", "load_model_specs", "load_weights", "measure", "resolve_model"]
 
 
-class WeightsError(ValueError):
-    """Weights that do not fit the model; the message names the first offending keys."""
+def load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], path) -> None:
+    """Load weights (``mhla.weights.unwrap_state_dict`` of the file at ``path``) into ``model``, strictly.
 
-
-def _state_dict(checkpoint: dict, use_ema: bool, path) -> dict:
-    """The model (or EMA) weights of a ``train.py`` checkpoint, or a plain state dict as it is."""
-    if isinstance(checkpoint.get("model"), dict):
-        if not use_ema:
-            return checkpoint["model"]
-        if checkpoint.get("ema") is None:
-            raise WeightsError(f"--ema: checkpoint {path} holds no EMA weights")
-        return {k.removeprefix("module."): v for k, v in checkpoint["ema"].items()}
-    if use_ema:
-        raise WeightsError(f"--ema: checkpoint {path} is a plain state dict without EMA weights")
-    return checkpoint
-
-
-def load_weights(model: torch.nn.Module, path, use_ema: bool = False, checkpoint: dict | None = None) -> None:
-    """Load a ``train.py`` checkpoint (model or EMA weights) or a state dict into ``model``.
-
-    Position embeddings are resampled to the model's grid (timm's ``checkpoint_filter_fn``).
-    ``checkpoint`` is the file's content when it has been read already.
+    Position embeddings are resampled to the model's grid (``mhla.weights.resample_pos_embed``); every
+    other tensor must fit as it is.
 
     Raises:
-        CheckpointError: missing or unreadable file.
-        WeightsError: another architecture (first missing and unexpected keys), another class
-            count, or no EMA weights when they are asked for.
+        WeightsError: another architecture (first missing and unexpected keys), another class count, or a
+            tensor of another shape; the message names the file.
     """
-    checkpoint = load_checkpoint(path) if checkpoint is None else checkpoint
-    state = _state_dict(checkpoint, use_ema, path)
-    state = checkpoint_filter_fn(state, model)
     target = model.state_dict()
     head = "head.weight"
     if head in state and head in target and state[head].shape[0] != target[head].shape[0]:
@@ -56,6 +33,12 @@ def load_weights(model: torch.nn.Module, path, use_ema: bool = False, checkpoint
         raise WeightsError(f"checkpoint {path} does not fit the model: {len(missing)} missing keys (first: "
                            f"{missing[0] if missing else '-'}), {len(unexpected)} unexpected keys (first: "
                            f"{unexpected[0] if unexpected else '-'})")
+    state = dict(state)
+    if "pos_embed" in state:
+        try:
+            state["pos_embed"], _ = resample_pos_embed(state["pos_embed"], model)
+        except WeightsError as e:
+            raise WeightsError(f"checkpoint {path}: {e}") from None
     for key, value in state.items():
         if value.shape != target[key].shape:
             raise WeightsError(f"checkpoint {path}: {key} has shape {tuple(value.shape)}, the model expects "
@@ -83,7 +66,7 @@ class ModelSpec:
 
 
 def resolve_model(checkpoint: dict | None = None, name: str | None = None, kwargs: dict | None = None,
-                  config: dict | None = None) -> ModelSpec:
+                  config: dict | None = None, use_ema: bool = False) -> ModelSpec:
     """The model a checkpoint holds, from the one rule that ``validate.py`` and every script use.
 
     Highest first: the command line (``name``, ``kwargs``), then a ``train.py`` checkpoint's own
@@ -94,13 +77,14 @@ def resolve_model(checkpoint: dict | None = None, name: str | None = None, kwarg
     needs ``name`` or ``config``. Call after the model registrations are imported.
 
     Args:
-        checkpoint: the loaded checkpoint (``load_checkpoint``), or None for a fresh model.
+        checkpoint: the loaded checkpoint (``mhla.weights.read_checkpoint``), or None for a fresh model.
         name: model name from the command line.
         kwargs: ``create_model`` keywords from the command line, over the others.
         config: a training config (``load_config``).
+        use_ema: the class count is the EMA weights' head's (``unwrap_state_dict``).
 
     Raises:
-        WeightsError: no model named anywhere, or an unknown model name.
+        WeightsError: no model named anywhere, an unknown model name, or no weights where ``use_ema`` says.
     """
     import timm
 
@@ -119,7 +103,7 @@ def resolve_model(checkpoint: dict | None = None, name: str | None = None, kwarg
         raise WeightsError(f"--model: unknown model {spec.name!r}")
     spec.kwargs = {**spec.kwargs, **(kwargs or {})}
     if checkpoint is not None:
-        weights = checkpoint["model"] if isinstance(checkpoint.get("model"), dict) else checkpoint
+        weights = unwrap_state_dict(checkpoint, use_ema)
         if "head.weight" in weights:
             spec.num_classes = weights["head.weight"].shape[0]
     return spec
@@ -144,12 +128,13 @@ def load_model_spec(spec: str, img_size: int) -> torch.nn.Module:
 
     source, _, path = spec.partition(":")
     config = load_config(source) if source.endswith((".yaml", ".yml")) else None
-    checkpoint = load_checkpoint(path) if path else None
+    checkpoint = read_checkpoint(path) if path else None
+    state = unwrap_state_dict(checkpoint, path=path, ema_option=None) if checkpoint is not None else None
     resolved = resolve_model(checkpoint, None if config else source, config=config)
     extra = {} if resolved.num_classes is None else {"num_classes": resolved.num_classes}
     model = timm.create_model(resolved.name, img_size=img_size, **resolved.kwargs, **extra)
-    if checkpoint is not None:
-        load_weights(model, path, checkpoint=checkpoint)
+    if state is not None:
+        load_weights(model, state, path)
     return model.eval()
 
 

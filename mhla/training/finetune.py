@@ -6,75 +6,40 @@ A fine-tuning run (DeiT-T MHLA from 224 to 384 px, say) starts from a checkpoint
   ``resample_abs_pos_embed``, bicubic; prefix tokens, if the model embeds them, keep their positions);
 - the classifier (``head`` and ``head_dist``) is dropped when the class count differs: it keeps the
   fresh model's initialisation;
-- everything else must fit exactly: a missing or unexpected key, or a tensor of another shape, is an
-  ``InitWeightsError`` naming the keys (and both shapes). MHLA's mixing matrix W is M x M for the
+- everything else must fit exactly: a missing or unexpected key, or a tensor of another shape, is a
+  ``WeightsError`` naming the keys (and both shapes). MHLA's mixing matrix W is M x M for the
   *block* grid and does not depend on the token grid, so the same block grid at a higher resolution
   keeps W (the blocks hold more tokens); a W of another shape is an error.
 
 The file is a ``train.py`` checkpoint (its ``model`` weights, not the EMA), a state dict written by
 ``scripts/convert_official.py``, or a timm/DeiT state dict: bare, or under ``model`` (DeiT's releases)
-or ``state_dict`` (timm's training script), read by timm's ``load_state_dict`` with ``weights_only``.
+or ``state_dict`` (timm's training script), read by ``mhla.weights`` (``weights_only``).
 """
-import math
 from pathlib import Path
 
 import torch
-from timm.layers import resample_abs_pos_embed
-from timm.models import load_state_dict
 from torch import nn
 
-from .checkpoint import CheckpointError
+from ..weights import WeightsError, first_keys, read_checkpoint, resample_pos_embed, unwrap_state_dict
 
-__all__ = ["InitWeightsError", "fit_state_dict", "init_state_dict", "load_init_weights", "read_state_dict"]
+__all__ = ["fit_state_dict", "init_state_dict", "load_init_weights", "read_state_dict"]
 
 CLASSIFIERS = ("head", "head_dist")
 
 
-class InitWeightsError(ValueError):
-    """Initial weights that do not fit the model; the one-line message names the offending keys."""
-
-
-def _names(keys: list[str], count: int = 3) -> str:
-    return ", ".join(keys[:count]) + (f" (+{len(keys) - count} more)" if len(keys) > count else "")
-
-
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """The model weights in ``path``, ``module.``/``_orig_mod.`` prefixes removed (timm's ``load_state_dict``).
+    """The model weights in ``path`` (``mhla.weights.read_checkpoint`` and ``unwrap_state_dict``).
 
     Raises:
-        CheckpointError: the file is missing or cannot be read (``weights_only``), naming it.
-        InitWeightsError: it holds no state dict of tensors, or the released code's keys (convert them first).
+        WeightsError: the file is missing or cannot be read, holds no state dict of tensors, or holds the
+            released code's keys (convert them first); the message names the file.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist")
-    try:
-        state = load_state_dict(str(path), use_ema=False, weights_only=True)
-    except Exception as e:  # truncated, foreign or unsafe files all end here
-        reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-        raise CheckpointError(f"checkpoint {path} cannot be read ({reason})") from None
-    if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise InitWeightsError(f"checkpoint {path} holds no state dict of tensors (looked under 'state_dict', "
-                               f"'model' and at the top level)")
+    state = unwrap_state_dict(read_checkpoint(path), path=path, ema_option=None)
     released = [k for k in state if k.endswith(".attn.to_qkv.weight")]
     if released:
-        raise InitWeightsError(f"checkpoint {path} holds the released MHLA code's keys ({released[0]}); convert it "
-                               f"first with scripts/convert_official.py")
+        raise WeightsError(f"checkpoint {path} holds the released MHLA code's keys ({released[0]}); convert it "
+                           f"first with scripts/convert_official.py")
     return state
-
-
-def _resample_pos_embed(pos_embed: torch.Tensor, model: nn.Module) -> tuple[torch.Tensor, str | None]:
-    """``[1, P + N, C]`` positions on the checkpoint's square grid -> the model's grid (unchanged if equal)."""
-    prefix = 0 if getattr(model, "no_embed_class", False) else getattr(model, "num_prefix_tokens", 0)
-    patches = pos_embed.shape[1] - prefix
-    side = math.isqrt(max(patches, 0))
-    if side * side != patches:
-        raise InitWeightsError(f"pos_embed: the checkpoint's {patches} patch positions are not a square grid")
-    old, new = [side, side], list(model.patch_embed.grid_size)
-    if old == new:
-        return pos_embed, None
-    resampled = resample_abs_pos_embed(pos_embed, new_size=new, old_size=old, num_prefix_tokens=prefix)
-    return resampled, f"pos_embed resampled from {old[0]}x{old[1]} to {new[0]}x{new[1]} positions (bicubic)"
 
 
 def fit_state_dict(state: dict[str, torch.Tensor], model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
@@ -91,7 +56,7 @@ def fit_state_dict(state: dict[str, torch.Tensor], model: nn.Module) -> tuple[di
         one line each, of what was resampled or dropped.
 
     Raises:
-        InitWeightsError: unexpected or missing keys (named), or a tensor of another shape (the key and both
+        WeightsError: unexpected or missing keys (named), or a tensor of another shape (the key and both
             shapes; for W, why its shape must match).
     """
     target = model.state_dict()
@@ -103,7 +68,7 @@ def fit_state_dict(state: dict[str, torch.Tensor], model: nn.Module) -> tuple[di
         dropped = [k for k in state if k.split(".", 1)[0] in CLASSIFIERS]
         for key in dropped:
             del state[key]
-        what = f"{_names(dropped, 4)} dropped" if dropped else "no classifier in the checkpoint"
+        what = f"{first_keys(dropped, 4)} dropped" if dropped else "no classifier in the checkpoint"
         notices.append(f"{what} (the checkpoint has {source_classes} classes, the model {model_classes}): "
                        f"the head starts from its fresh initialisation")
     else:
@@ -113,20 +78,21 @@ def fit_state_dict(state: dict[str, torch.Tensor], model: nn.Module) -> tuple[di
     if unexpected or missing:
         hint = ("; a timm DeiT with a class token converts with models.convert_softmax_deit"
                 if {"cls_token", "dist_token"} & set(unexpected) else "")
-        raise InitWeightsError(f"the weights do not fit the model: unexpected keys {_names(unexpected) or '-'}; "
-                               f"missing keys {_names(missing) or '-'}{hint}")
+        raise WeightsError(f"the weights do not fit the model: unexpected keys {first_keys(unexpected) or '-'}; "
+                           f"missing keys {first_keys(missing) or '-'}{hint}")
     if "pos_embed" in state:
-        state["pos_embed"], notice = _resample_pos_embed(state["pos_embed"], model)
-        if notice:
-            notices.append(notice)
+        state["pos_embed"], (side, _) = resample_pos_embed(state["pos_embed"], model)
+        grid = tuple(model.patch_embed.grid_size)
+        if grid != (side, side):
+            notices.append(f"pos_embed resampled from {side}x{side} to {grid[0]}x{grid[1]} positions (bicubic)")
     wrong = [k for k, v in state.items() if v.shape != target[k].shape]
     if wrong:
         key = next((k for k in wrong if k.endswith("mixing.weight")), wrong[0])
         more = f" (+{len(wrong) - 1} more of another shape)" if len(wrong) > 1 else ""
         why = (": W is M x M for the block grid (model.kwargs.block_grid), whatever the image size; keep the "
                "checkpoint's block grid" if key.endswith("mixing.weight") else "")
-        raise InitWeightsError(f"{key} has shape {tuple(state[key].shape)} in the checkpoint, "
-                               f"{tuple(target[key].shape)} in the model{more}{why}")
+        raise WeightsError(f"{key} has shape {tuple(state[key].shape)} in the checkpoint, "
+                           f"{tuple(target[key].shape)} in the model{more}{why}")
     return state, notices
 
 
@@ -134,14 +100,14 @@ def init_state_dict(path: str | Path, model: nn.Module) -> tuple[dict[str, torch
     """``read_state_dict`` then ``fit_state_dict``; a ``meta`` model checks the file without loading it.
 
     Raises:
-        CheckpointError: missing or unreadable file.
-        InitWeightsError: weights that do not fit; the message names the file, then the keys.
+        WeightsError: a missing or unreadable file, or weights that do not fit; the message names the file, then
+            the keys.
     """
     state = read_state_dict(path)
     try:
         return fit_state_dict(state, model)
-    except InitWeightsError as e:
-        raise InitWeightsError(f"checkpoint {path}: {e}") from None
+    except WeightsError as e:
+        raise WeightsError(f"checkpoint {path}: {e}") from None
 
 
 def load_init_weights(model: nn.Module, path: str | Path) -> list[str]:
@@ -155,8 +121,7 @@ def load_init_weights(model: nn.Module, path: str | Path) -> list[str]:
         One-line notices: what was loaded, and what was resampled or dropped.
 
     Raises:
-        CheckpointError: missing or unreadable file.
-        InitWeightsError: weights that do not fit (see ``fit_state_dict``).
+        WeightsError: a missing or unreadable file, or weights that do not fit (see ``fit_state_dict``).
     """
     state, notices = init_state_dict(path, model)
     total = len(model.state_dict())

@@ -27,13 +27,13 @@ from timm.utils import ModelEmaV3, unwrap_model
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Subset
 
-from .checkpoint import CheckpointError, get_rng_state, load_checkpoint, save_atomic, set_rng_state
+from .checkpoint import get_rng_state, load_checkpoint, save_atomic, set_rng_state
 from .compiling import compile_blocks, model_blocks
 from .config import ConfigError, micro_batch_size, where_set
 from .data import EpochSampler, build_datasets, collate_skipping, shard_indices
 from .distributed import DistInfo, init_distributed
 from .engine import COUNTS, TrainState, evaluate, train_one_epoch
-from .finetune import InitWeightsError, init_state_dict, load_init_weights
+from .finetune import init_state_dict, load_init_weights
 from .run_log import MetricsLog, start_wandb, write_run_info
 from .shards import shard_datasets
 
@@ -120,7 +120,7 @@ def check_buildable(config: dict) -> None:
         key = _model_key(_first_line(e), config)
         raise ConfigError(f"{key}: cannot build {name}: {_first_line(e)}{where_set(key, sources)}") from None
     if config["model"]["init_from"] is not None:
-        with _config_error("model.init_from", sources, (CheckpointError, InitWeightsError)):
+        with _config_error("model.init_from", sources):  # WeightsError is a ValueError
             init_state_dict(config["model"]["init_from"], model)
     if config["compile"] == "blocks":
         with _config_error("compile", sources):
