@@ -102,3 +102,12 @@ def test_ci_runs_the_readme_test_command_in_a_new_virtual_environment():
     assert commands[1] in ci
     assert ci.index("python -m venv --clear .venv") < ci.index("source .venv/bin/activate") < ci.index(commands[1])
     assert ".venv/" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+def test_every_module_of_the_library_and_the_harness_is_in_the_library_docs():
+    """docs/library.md names every module of `mhla/` and `mhla/training/` in its tables."""
+    docs = (ROOT / "docs" / "library.md").read_text()
+    modules = [*LIBRARY, *sorted((ROOT / "mhla" / "training").glob("*.py"))]
+    names = [str(p.relative_to(ROOT)) for p in modules if p.stem != "__init__"]
+    missing = [name for name in names if f"`{name}`" not in docs]
+    assert not missing, f"docs/library.md has no row for {missing}"
