@@ -27,6 +27,7 @@ import argparse
 import math
 import pickle
 import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -77,7 +78,10 @@ def read_checkpoint(path: str | Path) -> dict:
     if not path.is_file():
         raise WeightsError(f"checkpoint {path} does not exist")
     try:
-        with torch.serialization.safe_globals(list(ALLOWED_GLOBALS)):
+        with torch.serialization.safe_globals(list(ALLOWED_GLOBALS)), warnings.catch_warnings():
+            # torch warns of a pickle protocol it does not expect in a foreign file before refusing it: the error
+            # below says it in one line
+            warnings.filterwarnings("ignore", "Detected pickle protocol", UserWarning)
             checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated, foreign or unsafe files all end here
         raise WeightsError(f"checkpoint {path} cannot be read ({_reason(e)})") from None

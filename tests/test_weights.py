@@ -1,6 +1,7 @@
 """``mhla.weights``: one reader of checkpoint files for validate.py, model.init_from, resuming and the converters."""
 import argparse
 import re
+import warnings
 
 import pytest
 import timm
@@ -123,9 +124,13 @@ def test_an_unreadable_file_is_one_plain_line(tmp_path):
     truncated.write_bytes(truncated.read_bytes()[:500])
     garbage.write_bytes(b"not a checkpoint")
     torch.save(torch.ones(3), tensor)
-    for path in (truncated, garbage):
-        with pytest.raises(WeightsError) as error:
-            read_checkpoint(path)
+    protocol_103 = tmp_path / "protocol_103.pth"
+    protocol_103.write_bytes(b"\x80garbage")  # a pickle protocol torch warns about, then refuses
+    for path in (truncated, garbage, protocol_103):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a warning beside the one-line error would be a second message
+            with pytest.raises(WeightsError) as error:
+                read_checkpoint(path)
         message = str(error.value)
         assert message.startswith(f"checkpoint {path} cannot be read (") and message.endswith(")"), message
         assert "\n" not in message and "\x1b" not in message and "weights_only=False" not in message, message
