@@ -56,12 +56,9 @@ def test_every_group_is_one_update_and_no_gradient_outlives_the_epoch(count, acc
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_the_short_last_group_is_the_mean_of_its_own_micro_batches():
-    batches = micro_batches(5)
-    model = tiny_model()
-    expected = tiny_model()
-    run_epoch(model, batches, accum_steps=2)
-    for group in (batches[0:2], batches[2:4], batches[4:5]):  # by hand: SGD on each group's mean loss
+def assert_sgd_on_group_means(model, expected, groups) -> None:
+    """``model`` holds what SGD (lr 0.5) on each group's mean loss makes of ``expected``, done here by hand."""
+    for group in groups:
         expected.zero_grad()
         loss = sum(torch.nn.functional.cross_entropy(expected(x), y) for x, y, _ in group) / len(group)
         loss.backward()
@@ -70,6 +67,14 @@ def test_the_short_last_group_is_the_mean_of_its_own_micro_batches():
                 p -= 0.5 * p.grad
     for actual, wanted in zip(model.parameters(), expected.parameters(), strict=True):
         torch.testing.assert_close(actual, wanted, rtol=1e-12, atol=1e-12)
+
+
+def test_the_short_last_group_is_the_mean_of_its_own_micro_batches():
+    batches = micro_batches(5)
+    model = tiny_model()
+    expected = tiny_model()
+    run_epoch(model, batches, accum_steps=2)
+    assert_sgd_on_group_means(model, expected, (batches[0:2], batches[2:4], batches[4:5]))
 
 
 @pytest.mark.parametrize("empty_at", [None, 3], ids=["full", "empty-batch-3"])
@@ -120,15 +125,7 @@ def test_an_empty_micro_batch_leaves_its_group_the_mean_of_the_others():
     model, expected = tiny_model(), tiny_model()
     _, state = run_epoch(model, batches, accum_steps=2)
     assert state.step == 2 and state.empty_batches == 1
-    for group in ([batches[0]], batches[2:4]):  # by hand: SGD on the mean loss of the micro-batches with images
-        expected.zero_grad()
-        loss = sum(torch.nn.functional.cross_entropy(expected(x), y) for x, y, _ in group) / len(group)
-        loss.backward()
-        with torch.no_grad():
-            for p in expected.parameters():
-                p -= 0.5 * p.grad
-    for actual, wanted in zip(model.parameters(), expected.parameters(), strict=True):
-        torch.testing.assert_close(actual, wanted, rtol=1e-12, atol=1e-12)
+    assert_sgd_on_group_means(model, expected, ([batches[0]], batches[2:4]))  # the micro-batches with images
 
 
 def test_an_empty_micro_batch_stops_a_distributed_run_naming_it():
