@@ -1,6 +1,11 @@
 """Fixtures and markers for every test; helper functions live in helpers.py."""
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # Triton kernels run on CPU tensors in Triton's interpreter; read at import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest_plugins = ["pytester"]
 
