@@ -32,7 +32,7 @@ from .ops import (
     parallel_state,
 )
 
-__all__ = ["feature_map", "feature_map_backward", "feature_map_state", "qkv_attention"]
+__all__ = ["check_arguments", "feature_map", "feature_map_backward", "feature_map_state", "qkv_attention"]
 
 
 def feature_map(qk: torch.Tensor, weight: torch.Tensor | None, norm_eps: float | None,
@@ -254,6 +254,25 @@ def _add(total: torch.Tensor | None, part: torch.Tensor | None) -> torch.Tensor 
     return part if total is None else total.add_(part)
 
 
+def check_arguments(qkv: torch.Tensor, num_heads: int, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                    mixing: torch.Tensor | None, layout: BlockLayout | None) -> None:
+    """The one-line ``ValueError`` for arguments of ``qkv_attention`` (and of the kernels') that do not fit together:
+    qkv's shape, the norm weights, the mixing and the layout."""
+    if qkv.ndim != 3 or qkv.shape[-1] % (3 * num_heads):
+        raise ValueError(f"qkv must be [B, N, 3C] with C divisible by num_heads={num_heads}, got {tuple(qkv.shape)}")
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("q_weight and k_weight go together: give both or neither")
+    if (mixing is None) != (layout is None):
+        raise ValueError("MHLA needs both mixing and layout (plain linear attention neither)")
+    if layout is not None:
+        if layout.num_tokens != qkv.shape[1]:
+            raise ValueError(f"layout is for {layout.num_tokens} tokens, qkv has N={qkv.shape[1]}")
+        blocks = layout.num_blocks + layout.num_prefix_blocks
+        if mixing.shape != (blocks, blocks):
+            raise ValueError(f"mixing must be [M + G, M + G] = [{blocks}, {blocks}] for this layout, got "
+                             f"{tuple(mixing.shape)}")
+
+
 def qkv_attention(
         qkv: torch.Tensor,
         num_heads: int,
@@ -292,22 +311,11 @@ def qkv_attention(
     Returns:
         ``[B, N, C]`` in the dtype of ``qkv``; under autocast everything inside runs in fp32.
     """
-    if qkv.ndim != 3 or qkv.shape[-1] % (3 * num_heads):
-        raise ValueError(f"qkv must be [B, N, 3C] with C divisible by num_heads={num_heads}, got {tuple(qkv.shape)}")
-    if (q_weight is None) != (k_weight is None):
-        raise ValueError("q_weight and k_weight go together: give both or neither")
+    check_arguments(qkv, num_heads, q_weight, k_weight, mixing, layout)
     num_tokens, dim = qkv.shape[1], qkv.shape[-1] // 3
-    if (mixing is None) != (layout is None):
-        raise ValueError("MHLA needs both mixing and layout (plain linear attention neither)")
     if parallel and layout is None:
         raise ValueError("parallel=True is a form of MHLA: give mixing and layout")
     if layout is not None:
-        if layout.num_tokens != num_tokens:
-            raise ValueError(f"layout is for {layout.num_tokens} tokens, qkv has N={num_tokens}")
-        blocks = layout.num_blocks + layout.num_prefix_blocks
-        if mixing is None or mixing.shape != (blocks, blocks):
-            raise ValueError(f"mixing must be [M + G, M + G] = [{blocks}, {blocks}] for this layout, got "
-                             f"{None if mixing is None else tuple(mixing.shape)}")
         grid_size = layout.grid_size
     if lepe_weight is not None:
         kernel = lepe_weight.shape[-1]

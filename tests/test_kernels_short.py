@@ -1,14 +1,10 @@
 """mhla.kernels.short: the parallel form's Triton kernels against the naive reference, values and gradients."""
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
 
-from helpers import ROOT, rel_rms  # noqa: E402
+from helpers import rel_rms  # noqa: E402
 
 from mhla.blocks import block_layout  # noqa: E402
 from mhla.kernels import short  # noqa: E402
@@ -88,7 +84,8 @@ BAD = {
     "mixing-shape": (dict(mixing=torch.ones(6, 6), layout=LAYOUT), "mixing must be [M + G, M + G] = [7, 7]"),
     "layout-tokens": (dict(qkv=torch.zeros(1, 65, 3 * C), mixing=torch.ones(7, 7), layout=LAYOUT),
                       "layout is for 64 tokens, qkv has N=65"),
-    "head-dim": (dict(qkv=torch.zeros(1, 64, 3 * 2 * 24)), "power-of-two head dim of at least 16, got D=24"),
+    "head-dim": (dict(qkv=torch.zeros(1, 64, 3 * 2 * 24)),
+                 "the head dim must be a power of two from 16 to 128, got C / H = 24"),
 }
 
 
@@ -99,29 +96,3 @@ def test_a_bad_argument_gives_a_one_line_error(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("+", r"\+")) as error:
         short_attention(qkv, H, **kwargs)
     assert "\n" not in str(error.value)
-
-
-COMPILE = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from mhla.kernels import short
-
-TYPES = dict(qkv="*fp16", out="*fp16", grad_out="*fp16", block_ids="*i32", N="i32", MG="i32", feature_eps="fp32",
-             eps="fp32")
-for kernel in (short._forward_kernel, short._grad_q_kernel, short._grad_kv_kernel):
-    constants = dict(H=2, C=64, D=32, NORM=True, GRAD_MIXING=True, MG_PAD=32, BLOCK_Q=64, BLOCK_K=64)
-    names = kernel.arg_names
-    signature = {name: "constexpr" if name in constants else TYPES.get(name, "*fp32") for name in names}
-    constexprs = {(names.index(name),): constants[name] for name in names if name in constants}
-    triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32))
-"""
-
-
-def test_the_kernels_compile_for_a_gpu_without_one():
-    """What the interpreter does not check (types of the compiled language, tl.dot's shapes): sm_90 code, fp16."""
-    pytest.importorskip("triton.backends.nvidia")
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), env.get("PYTHONPATH"))))
-    result = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, env=env, timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]

@@ -20,11 +20,11 @@ import triton.language as tl
 from ..blocks import BlockLayout
 from ..ops import _no_autocast
 from .features import features, features_backward, norm_backward, norm_statistics
+from .inputs import check_inputs
 
 __all__ = ["block_attention"]
 
 BLOCK_T = 16  # token slots per tile
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
@@ -268,25 +268,7 @@ def block_attention(
     Returns:
         ``[B, N, C]`` in the dtype of ``qkv``, differentiable w.r.t. qkv, the norm weights and the mixing.
     """
-    if qkv.ndim != 3 or qkv.shape[-1] % (3 * num_heads):
-        raise ValueError(f"qkv must be [B, N, 3C] with C divisible by num_heads={num_heads}, got {tuple(qkv.shape)}")
-    if qkv.dtype not in _DTYPES:
-        raise ValueError(f"qkv must be float16, bfloat16 or float32, got {qkv.dtype}")
-    head_dim = qkv.shape[-1] // (3 * num_heads)
-    if head_dim not in (16, 32, 64, 128):
-        raise ValueError(f"the head dim must be a power of two from 16 to 128, got C / H = {head_dim}")
-    if (q_weight is None) != (k_weight is None):
-        raise ValueError("q_weight and k_weight go together: give both or neither")
-    num_tokens = qkv.shape[1]
-    if (mixing is None) != (layout is None):
-        raise ValueError("MHLA needs both mixing and layout (plain linear attention neither)")
-    if layout is not None:
-        if layout.num_tokens != num_tokens:
-            raise ValueError(f"layout is for {layout.num_tokens} tokens, qkv has N={num_tokens}")
-        blocks = layout.num_blocks + layout.num_prefix_blocks
-        if mixing.shape != (blocks, blocks):
-            raise ValueError(f"mixing must be [M + G, M + G] = [{blocks}, {blocks}] for this layout, got "
-                             f"{tuple(mixing.shape)}")
+    check_inputs(qkv, num_heads, q_weight, k_weight, mixing, layout)
     with _no_autocast(qkv.device.type):
         return _BlockAttentionFunction.apply(qkv.contiguous(), q_weight, k_weight, mixing, layout, num_heads,
                                              norm_eps, feature_eps, eps)

@@ -16,8 +16,9 @@ with ``g = dO / den`` and ``delta_t = g_t . o_t``:
 
 Every sum is computed by one program in a fixed order (no atomics): W's gradient is summed per key tile as
 one-hot matmuls into ``[B * H * tiles, M + G, M + G]`` and then over its first dim in torch, so two runs give
-bitwise the same numbers. Operands of ``tl.dot`` are in the input dtype (tl.dot's default precision, TF32 on
-GPUs for fp32 inputs) except the one-hot sums of W's gradient, which are fp32; accumulators are fp32.
+bitwise the same numbers. Operands of ``tl.dot`` are in the input dtype except the one-hot sums of W's
+gradient, which are fp32; accumulators are fp32, and fp32 matmuls run in IEEE fp32 (no TF32), as the block
+form's.
 """
 import torch
 import triton
@@ -25,6 +26,7 @@ import triton.language as tl
 
 from ..blocks import BlockLayout
 from .features import features, features_backward, norm_backward, norm_statistics
+from .inputs import check_inputs
 
 __all__ = ["short_attention"]
 
@@ -81,8 +83,9 @@ def _forward_kernel(qkv, rstd, weight, mixing, block_ids, out, den, N, MG, featu
         phi_k, _, _, _ = _phi(qkv, rstd, weight, b, h, keys, N, feature_eps, C, D, 1, NORM)
         v = _tile(qkv, b, h, keys, N, 3 * C, 2 * C, D)
         bk = tl.load(block_ids + keys, mask=keys < N, other=0)
-        a = tl.dot(phi_q, tl.trans(phi_k.to(x.dtype))) * tl.load(mixing + bq[:, None] * MG + bk[None, :])
-        acc += tl.dot(a.to(x.dtype), v)
+        mix = tl.load(mixing + bq[:, None] * MG + bk[None, :])  # [BLOCK_Q, BLOCK_K]
+        a = tl.dot(phi_q, tl.trans(phi_k.to(x.dtype)), input_precision="ieee") * mix
+        acc += tl.dot(a.to(x.dtype), v, input_precision="ieee")
         rowsum += tl.sum(a, 1)
     rowsum += eps
     _store(out, acc / rowsum[:, None], b, h, rows, N, C, 0, D)
@@ -116,10 +119,11 @@ def _grad_q_kernel(qkv, rstd, weight, mixing, block_ids, den, grad_out, grad_qkv
         v = _tile(qkv, b, h, keys, N, 3 * C, 2 * C, D)
         bk = tl.load(block_ids + keys, mask=keys < N, other=0)
         mix = tl.load(mixing + bq[:, None] * MG + bk[None, :])  # [BLOCK_Q, BLOCK_K]
-        a = tl.dot(phi_q, tl.trans(phi_k)) * mix
-        acc += tl.dot(a.to(x.dtype), v)
-        grad_num += tl.dot((tl.dot(g_in, tl.trans(v)) * mix).to(x.dtype), phi_k)
-        z_mixed += tl.dot(mix.to(x.dtype), phi_k)
+        a = tl.dot(phi_q, tl.trans(phi_k), input_precision="ieee") * mix
+        acc += tl.dot(a.to(x.dtype), v, input_precision="ieee")
+        grad_num += tl.dot((tl.dot(g_in, tl.trans(v), input_precision="ieee") * mix).to(x.dtype), phi_k,
+                           input_precision="ieee")
+        z_mixed += tl.dot(mix.to(x.dtype), phi_k, input_precision="ieee")
     dlt = tl.sum(g * acc, 1) / d  # g . o
     tl.store(delta + bh * N + rows, dlt, mask=rows < N)
     grad = features_backward(grad_num - dlt[:, None] * z_mixed, x, r, w, NORM)
@@ -156,10 +160,10 @@ def _grad_kv_kernel(qkv, rstd, weight, mixing, block_ids, den, grad_out, delta, 
         dlt = tl.load(delta + bh * N + rows, mask=rows < N, other=0.0)
         g = (_tile(grad_out, b, h, rows, N, C, 0, D).to(tl.float32) / d[:, None]).to(x.dtype)
         mix = tl.load(mixing + bq[None, :] * MG + bk[:, None])  # [BLOCK_K, BLOCK_Q]: W[b(t), b(s)] transposed
-        scores = tl.dot(phi_k, tl.trans(phi_q))  # [BLOCK_K, BLOCK_Q]
-        grad_v += tl.dot((scores * mix).to(x.dtype), g)
-        grad_a = tl.dot(v, tl.trans(g)) - dlt[None, :]  # dA transposed
-        grad_k += tl.dot((grad_a * mix).to(x.dtype), phi_q)
+        scores = tl.dot(phi_k, tl.trans(phi_q), input_precision="ieee")  # [BLOCK_K, BLOCK_Q]
+        grad_v += tl.dot((scores * mix).to(x.dtype), g, input_precision="ieee")
+        grad_a = tl.dot(v, tl.trans(g), input_precision="ieee") - dlt[None, :]  # dA transposed
+        grad_k += tl.dot((grad_a * mix).to(x.dtype), phi_q, input_precision="ieee")
         if GRAD_MIXING:
             one_hot = (bq[:, None] == blocks[None, :]).to(tl.float32)  # [BLOCK_Q, MG_PAD]; 0 past N by scores
             grad_w += tl.dot(grad_a * scores, one_hot, input_precision="ieee")
@@ -252,7 +256,7 @@ def short_attention(
 
     Args:
         qkv: ``[B, N, 3C]``, q, k and v side by side, N tokens in the order of ``layout``.
-        num_heads: H; the head dim D = C / H must be a power of two, at least 16.
+        num_heads: H; the head dim D = C / H must be a power of two from 16 to 128.
         q_weight, k_weight: ``[C]`` RMSNorm weights of q and k; None (both) for no q/k norm.
         norm_eps: the RMSNorm epsilon; None is the dtype's epsilon (fp32's for fp16/bf16 inputs).
         feature_eps: the feature map's offset, ``phi(x) = ReLU(x) + feature_eps``.
@@ -263,25 +267,12 @@ def short_attention(
     Returns:
         ``[B, N, C]`` in the dtype of ``qkv``; differentiable w.r.t. qkv, q_weight, k_weight and mixing.
     """
-    if qkv.ndim != 3 or qkv.shape[-1] % (3 * num_heads):
-        raise ValueError(f"qkv must be [B, N, 3C] with C divisible by num_heads={num_heads}, got {tuple(qkv.shape)}")
-    if (q_weight is None) != (k_weight is None):
-        raise ValueError("q_weight and k_weight go together: give both or neither")
-    if (mixing is None) != (layout is None):
-        raise ValueError("MHLA needs both mixing and layout (plain linear attention neither)")
-    num_tokens, head_dim = qkv.shape[1], qkv.shape[-1] // (3 * num_heads)
-    if head_dim < 16 or head_dim & (head_dim - 1):
-        raise ValueError(f"short_attention needs a power-of-two head dim of at least 16, got D={head_dim}")
+    check_inputs(qkv, num_heads, q_weight, k_weight, mixing, layout)
+    num_tokens = qkv.shape[1]
     if layout is None:
         mixing = torch.ones(1, 1, dtype=torch.float32, device=qkv.device)
         block_ids = torch.zeros(num_tokens, dtype=torch.int32, device=qkv.device)
     else:
-        if layout.num_tokens != num_tokens:
-            raise ValueError(f"layout is for {layout.num_tokens} tokens, qkv has N={num_tokens}")
-        blocks = layout.num_blocks + layout.num_prefix_blocks
-        if mixing.shape != (blocks, blocks):
-            raise ValueError(f"mixing must be [M + G, M + G] = [{blocks}, {blocks}] for this layout, got "
-                             f"{tuple(mixing.shape)}")
         block_ids = layout.block_ids.to(torch.int32)
     return _ShortAttentionFunction.apply(qkv.contiguous(), q_weight, k_weight, mixing.float().contiguous(), block_ids,
                                          num_heads, norm_eps, feature_eps, eps)
