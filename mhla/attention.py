@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .backend import check_backend, uses_triton
 from .blocks import MODES, BlockLayout, block_layout
 from .fused import qkv_attention
 from .lepe import LePE
@@ -72,6 +73,8 @@ class LinearAttention(nn.Module):
             an ``eps`` ablation leaves the norm alone; None uses the dtype's epsilon, as
             ``nn.RMSNorm(dim)`` in the released MHLA code.
         input_norm: a LayerNorm (eps 1e-5, affine) on the attention's input, as the released MHLA code has.
+        backend: ``"auto"``, ``"torch"`` or ``"triton"``: the torch path or the Triton kernels
+            (``mhla.backend``); the same method either way.
     """
 
     def __init__(
@@ -93,6 +96,7 @@ class LinearAttention(nn.Module):
             feature_eps: float | None = None,
             norm_eps: float | None = 1e-6,
             input_norm: bool = False,
+            backend: str = "auto",
             device=None,
             dtype=None,
     ) -> None:
@@ -106,6 +110,8 @@ class LinearAttention(nn.Module):
             raise ValueError("scale_norm=True needs a norm_layer")
         if num_prefix_tokens < 0:
             raise ValueError(f"num_prefix_tokens must be >= 0, got {num_prefix_tokens}")
+        check_backend(backend)
+        self.backend = backend
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.grid_size = None if grid_size is None else tuple(grid_size)
@@ -176,9 +182,17 @@ class LinearAttention(nn.Module):
                     norm_eps=self.q_norm.eps if norm else None, feature_eps=self.feature_eps, eps=self.eps,
                     lepe_weight=None if conv is None else conv.weight, lepe_bias=None if conv is None else conv.bias)
 
+    def _qkv_attention(self, device: torch.device):
+        """``qkv_attention`` of the backend that runs on ``device``: the torch path's or the kernels'."""
+        if not uses_triton(self.backend, device):
+            return qkv_attention
+        from .kernels import qkv_attention as kernels  # imports triton
+
+        return kernels
+
     def _attend(self, qkv: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
         """The qkv projection's output ``[B, N, 3C]`` -> the attention output with LePE ``[B, N, C]``."""
-        return qkv_attention(qkv, self.num_heads, grid_size=grid, **self._fused_options())
+        return self._qkv_attention(qkv.device)(qkv, self.num_heads, grid_size=grid, **self._fused_options())
 
 
 class MultiHeadLinearAttention(LinearAttention):
@@ -232,6 +246,8 @@ class MultiHeadLinearAttention(LinearAttention):
             raise ValueError(f"unknown form {form!r}; expected one of {FORMS}")
         if form == "parallel" and normalizer != "paper":
             raise ValueError(f"form='parallel' computes the paper normalizer only, got normalizer={normalizer!r}")
+        if self.backend == "triton" and normalizer != "paper":
+            raise ValueError(f"backend='triton' computes the paper normalizer only, got normalizer={normalizer!r}")
         self.block_grid = tuple(block_grid)
         self.block_mode = block_mode
         self.normalizer = normalizer
@@ -282,5 +298,5 @@ class MultiHeadLinearAttention(LinearAttention):
             if self.lepe is not None:  # no prefix tokens with this normalizer
                 out = out + self.lepe(qkv[..., 2 * out.shape[-1]:], grid)  # from a view of v
             return out
-        return qkv_attention(qkv, self.num_heads, mixing=mixing, layout=layout,
-                             parallel=self.uses_parallel_form(layout), **self._fused_options())
+        return self._qkv_attention(qkv.device)(qkv, self.num_heads, mixing=mixing, layout=layout,
+                                               parallel=self.uses_parallel_form(layout), **self._fused_options())

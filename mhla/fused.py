@@ -32,7 +32,7 @@ from .ops import (
     parallel_state,
 )
 
-__all__ = ["check_arguments", "feature_map", "feature_map_backward", "feature_map_state", "qkv_attention"]
+__all__ = ["check_arguments", "feature_map", "feature_map_backward", "feature_map_state", "image", "qkv_attention"]
 
 
 def feature_map(qk: torch.Tensor, weight: torch.Tensor | None, norm_eps: float | None,
@@ -134,7 +134,7 @@ def _prepare(qkv, q_weight, k_weight, mixing):
     return x, weight, None if mixing is None else mixing.to(dtype)
 
 
-def _image(x: torch.Tensor, grid_size: tuple[int, int]) -> torch.Tensor:
+def image(x: torch.Tensor, grid_size: tuple[int, int]) -> torch.Tensor:
     """The patch tokens of ``x`` ``[B, N, C]`` (the last gh * gw) as an image ``[B, C, gh, gw]`` (a view)."""
     return x[:, x.shape[1] - grid_size[0] * grid_size[1]:].unflatten(1, grid_size).permute(0, 3, 1, 2)
 
@@ -163,10 +163,10 @@ class _QKVAttentionFunction(torch.autograd.Function):
         del q, k, v
         out = plan.tokens(out)  # [B, N, C]
         if lepe_weight is not None:
-            conv = F.conv2d(_image(x[:, :, 2], plan.grid_size), lepe_weight.to(x.dtype),
+            conv = F.conv2d(image(x[:, :, 2], plan.grid_size), lepe_weight.to(x.dtype),
                             None if lepe_bias is None else lepe_bias.to(x.dtype),
                             padding=lepe_weight.shape[-1] // 2, groups=lepe_weight.shape[0])
-            _image(out, plan.grid_size).add_(conv)
+            image(out, plan.grid_size).add_(conv)
         return out.to(qkv.dtype)
 
     @staticmethod
@@ -203,10 +203,10 @@ class _QKVAttentionFunction(torch.autograd.Function):
             grad_lepe_weight = grad_lepe_bias = None
             if lepe_weight is not None:
                 grad_v, grad_lepe_weight, grad_lepe_bias = torch.ops.aten.convolution_backward(
-                    _image(grad_out, plan.grid_size), _image(x[:, :, 2], plan.grid_size), lepe_weight.to(x.dtype),
+                    image(grad_out, plan.grid_size), image(x[:, :, 2], plan.grid_size), lepe_weight.to(x.dtype),
                     [lepe_weight.shape[0]] if ctx.has_bias else None, [1, 1], [lepe_weight.shape[-1] // 2] * 2,
                     [1, 1], False, [0, 0], lepe_weight.shape[0], [True, needs[4], ctx.has_bias and needs[5]])
-                _image(grad_x[:, :, 2], plan.grid_size).add_(grad_v)
+                image(grad_x[:, :, 2], plan.grid_size).add_(grad_v)
         grad_q_weight = grad_k_weight = None
         if grad_weight is not None:
             grad_q_weight, grad_k_weight = grad_weight.to(q_weight.dtype).unbind(0)
@@ -254,23 +254,46 @@ def _add(total: torch.Tensor | None, part: torch.Tensor | None) -> torch.Tensor 
     return part if total is None else total.add_(part)
 
 
-def check_arguments(qkv: torch.Tensor, num_heads: int, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
-                    mixing: torch.Tensor | None, layout: BlockLayout | None) -> None:
-    """The one-line ``ValueError`` for arguments of ``qkv_attention`` (and of the kernels') that do not fit together:
-    qkv's shape, the norm weights, the mixing and the layout."""
+def check_arguments(
+        qkv: torch.Tensor,
+        num_heads: int,
+        q_weight: torch.Tensor | None,
+        k_weight: torch.Tensor | None,
+        mixing: torch.Tensor | None,
+        layout: BlockLayout | None,
+        parallel: bool = False,
+        lepe_weight: torch.Tensor | None = None,
+        lepe_bias: torch.Tensor | None = None,
+        grid_size: tuple[int, int] | None = None,
+) -> tuple[int, int] | None:
+    """The one-line ``ValueError`` for arguments of ``qkv_attention`` (and of the kernels) that do not fit
+    together; returns the patch grid (``layout``'s, else ``grid_size``)."""
     if qkv.ndim != 3 or qkv.shape[-1] % (3 * num_heads):
         raise ValueError(f"qkv must be [B, N, 3C] with C divisible by num_heads={num_heads}, got {tuple(qkv.shape)}")
     if (q_weight is None) != (k_weight is None):
         raise ValueError("q_weight and k_weight go together: give both or neither")
+    num_tokens, dim = qkv.shape[1], qkv.shape[-1] // 3
     if (mixing is None) != (layout is None):
         raise ValueError("MHLA needs both mixing and layout (plain linear attention neither)")
+    if parallel and layout is None:
+        raise ValueError("parallel=True is a form of MHLA: give mixing and layout")
     if layout is not None:
-        if layout.num_tokens != qkv.shape[1]:
-            raise ValueError(f"layout is for {layout.num_tokens} tokens, qkv has N={qkv.shape[1]}")
+        if layout.num_tokens != num_tokens:
+            raise ValueError(f"layout is for {layout.num_tokens} tokens, qkv has N={num_tokens}")
         blocks = layout.num_blocks + layout.num_prefix_blocks
         if mixing.shape != (blocks, blocks):
             raise ValueError(f"mixing must be [M + G, M + G] = [{blocks}, {blocks}] for this layout, got "
                              f"{tuple(mixing.shape)}")
+        grid_size = layout.grid_size
+    if lepe_weight is not None:
+        kernel = lepe_weight.shape[-1]
+        if lepe_weight.shape != (dim, 1, kernel, kernel) or kernel % 2 == 0:
+            raise ValueError(f"lepe_weight must be [C, 1, k, k] with C={dim} and k odd, got {tuple(lepe_weight.shape)}")
+        if lepe_bias is not None and lepe_bias.shape != (dim,):
+            raise ValueError(f"lepe_bias must be [C] = [{dim}], got {tuple(lepe_bias.shape)}")
+        if grid_size is None or not 0 < grid_size[0] * grid_size[1] <= num_tokens:
+            raise ValueError(f"LePE needs the patch grid: grid_size={grid_size} for N={num_tokens} tokens")
+    return None if grid_size is None else tuple(grid_size)
 
 
 def qkv_attention(
@@ -311,21 +334,9 @@ def qkv_attention(
     Returns:
         ``[B, N, C]`` in the dtype of ``qkv``; under autocast everything inside runs in fp32.
     """
-    check_arguments(qkv, num_heads, q_weight, k_weight, mixing, layout)
-    num_tokens, dim = qkv.shape[1], qkv.shape[-1] // 3
-    if parallel and layout is None:
-        raise ValueError("parallel=True is a form of MHLA: give mixing and layout")
-    if layout is not None:
-        grid_size = layout.grid_size
-    if lepe_weight is not None:
-        kernel = lepe_weight.shape[-1]
-        if lepe_weight.shape != (dim, 1, kernel, kernel) or kernel % 2 == 0:
-            raise ValueError(f"lepe_weight must be [C, 1, k, k] with C={dim} and k odd, got {tuple(lepe_weight.shape)}")
-        if lepe_bias is not None and lepe_bias.shape != (dim,):
-            raise ValueError(f"lepe_bias must be [C] = [{dim}], got {tuple(lepe_bias.shape)}")
-        if grid_size is None or not 0 < grid_size[0] * grid_size[1] <= num_tokens:
-            raise ValueError(f"LePE needs the patch grid: grid_size={grid_size} for N={num_tokens} tokens")
-    plan = _Plan(num_heads, layout, parallel, None if grid_size is None else tuple(grid_size))
+    grid_size = check_arguments(qkv, num_heads, q_weight, k_weight, mixing, layout, parallel, lepe_weight, lepe_bias,
+                                grid_size)
+    plan = _Plan(num_heads, layout, parallel, grid_size)
     with _no_autocast(qkv.device.type):
         return _QKVAttentionFunction.apply(qkv, q_weight, k_weight, mixing, lepe_weight, lepe_bias, plan, norm_eps,
                                            feature_eps, eps)

@@ -35,7 +35,7 @@ from mhla import LinearAttention, MultiHeadLinearAttention, RMSNorm
 __all__ = ["ATTENTION_OPTIONS", "MhlaVisionTransformer"]
 
 ATTENTION_TYPES = ("mhla", "linear", "softmax")
-LINEAR_OPTIONS = ("lepe_kernel", "eps", "feature_eps", "norm_eps", "input_norm")
+LINEAR_OPTIONS = ("lepe_kernel", "eps", "feature_eps", "norm_eps", "input_norm", "backend")
 MHLA_OPTIONS = ("block_grid", "block_mode", "transform", "mixing_norm", "mixing_sigma", "learnable_mixing",
                 "constrain_mixing", "normalizer", "form")
 ATTENTION_OPTIONS = LINEAR_OPTIONS + MHLA_OPTIONS

@@ -5,3 +5,6 @@ on load (``features``); its naive reference is ``mhla.naive.naive_qkv_attention`
 needs ``triton``; on the CPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``), which the
 tests use.
 """
+from .attention import qkv_attention
+
+__all__ = ["qkv_attention"]
