@@ -32,7 +32,8 @@ from .ops import (
     parallel_state,
 )
 
-__all__ = ["check_arguments", "feature_map", "feature_map_backward", "feature_map_state", "image", "qkv_attention"]
+__all__ = ["check_arguments", "feature_map", "feature_map_backward", "feature_map_state", "image", "lepe_backward_",
+           "lepe_forward_", "qkv_attention"]
 
 
 def feature_map(qk: torch.Tensor, weight: torch.Tensor | None, norm_eps: float | None,
@@ -139,6 +140,29 @@ def image(x: torch.Tensor, grid_size: tuple[int, int]) -> torch.Tensor:
     return x[:, x.shape[1] - grid_size[0] * grid_size[1]:].unflatten(1, grid_size).permute(0, 3, 1, 2)
 
 
+def lepe_forward_(out: torch.Tensor, v: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  grid_size: tuple[int, int]) -> None:
+    """LePE, the depthwise convolution of v over the patch grid, added to ``out``'s patch tokens in place.
+
+    ``out``, ``v`` ``[B, N, C]`` (any strides; the last gh * gw tokens are the grid), the convolution in v's dtype.
+    """
+    conv = F.conv2d(image(v, grid_size), weight.to(v.dtype), None if bias is None else bias.to(v.dtype),
+                    padding=weight.shape[-1] // 2, groups=weight.shape[0])
+    image(out, grid_size).add_(conv)
+
+
+def lepe_backward_(grad_v: torch.Tensor, grad_out: torch.Tensor, v: torch.Tensor, weight: torch.Tensor,
+                   has_bias: bool, grid_size: tuple[int, int], needs: tuple[bool, bool]):
+    """LePE's backward: v's gradient added into ``grad_v`` ``[B, N, C]`` in place; returns the gradients of the
+    weight and the bias (None where ``needs`` says False), in v's dtype."""
+    grad, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
+        image(grad_out, grid_size), image(v, grid_size), weight.to(v.dtype), [weight.shape[0]] if has_bias else None,
+        [1, 1], [weight.shape[-1] // 2] * 2, [1, 1], False, [0, 0], weight.shape[0],
+        [True, needs[0], has_bias and needs[1]])
+    image(grad_v, grid_size).add_(grad)
+    return grad_weight, grad_bias
+
+
 class _QKVAttentionFunction(torch.autograd.Function):
     """The attention from ``qkv``, keeping ``qkv`` (and the small parameters) alone for backward.
 
@@ -163,10 +187,7 @@ class _QKVAttentionFunction(torch.autograd.Function):
         del q, k, v
         out = plan.tokens(out)  # [B, N, C]
         if lepe_weight is not None:
-            conv = F.conv2d(image(x[:, :, 2], plan.grid_size), lepe_weight.to(x.dtype),
-                            None if lepe_bias is None else lepe_bias.to(x.dtype),
-                            padding=lepe_weight.shape[-1] // 2, groups=lepe_weight.shape[0])
-            image(out, plan.grid_size).add_(conv)
+            lepe_forward_(out, x[:, :, 2], lepe_weight, lepe_bias, plan.grid_size)
         return out.to(qkv.dtype)
 
     @staticmethod
@@ -202,11 +223,8 @@ class _QKVAttentionFunction(torch.autograd.Function):
                 grad_mixing = plan.token_mixing_backward(grad_mixing, mixing)
             grad_lepe_weight = grad_lepe_bias = None
             if lepe_weight is not None:
-                grad_v, grad_lepe_weight, grad_lepe_bias = torch.ops.aten.convolution_backward(
-                    image(grad_out, plan.grid_size), image(x[:, :, 2], plan.grid_size), lepe_weight.to(x.dtype),
-                    [lepe_weight.shape[0]] if ctx.has_bias else None, [1, 1], [lepe_weight.shape[-1] // 2] * 2,
-                    [1, 1], False, [0, 0], lepe_weight.shape[0], [True, needs[4], ctx.has_bias and needs[5]])
-                image(grad_x[:, :, 2], plan.grid_size).add_(grad_v)
+                grad_lepe_weight, grad_lepe_bias = lepe_backward_(grad_x[:, :, 2], grad_out, x[:, :, 2], lepe_weight,
+                                                                  ctx.has_bias, plan.grid_size, needs[4:6])
         grad_q_weight = grad_k_weight = None
         if grad_weight is not None:
             grad_q_weight, grad_k_weight = grad_weight.to(q_weight.dtype).unbind(0)

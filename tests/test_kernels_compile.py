@@ -17,7 +17,7 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from mhla.kernels import block, short
+from mhla.kernels import block, features, short
 
 SIZES = dict(H=2, C=64, D=32)
 OPTIONS = {  # per module: its kernels, its constexprs beyond SIZES
@@ -25,9 +25,10 @@ OPTIONS = {  # per module: its kernels, its constexprs beyond SIZES
                block._key_backward_kernel), dict(BLOCK_T=16, NORM=True)),
     "short": ((short._forward_kernel, short._grad_q_kernel, short._grad_kv_kernel),
               dict(NORM=True, GRAD_MIXING=True, MG_PAD=32, BLOCK_Q=64, BLOCK_K=64)),
+    "features": ((features._rstd_kernel, features._norm_backward_kernel), dict(BLOCK_C=64, ROWS=16)),
 }
-TYPES = dict(qkv="*fp16", out="*fp16", grad_out="*fp16", block_ids="*i32", slots="*i32", N="i32", T="i32", H="i32",
-             MG="i32", feature_eps="fp32", eps="fp32")
+TYPES = dict(qkv="*fp16", out="*fp16", grad_out="*fp16", block_ids="*i64", slots="*i32", N="i32", T="i32", H="i32",
+             MG="i32", num_tokens="i32", feature_eps="fp32", eps="fp32")
 kernels, constants = OPTIONS[sys.argv[1]]
 for kernel in kernels:
     names = kernel.arg_names
@@ -40,7 +41,7 @@ for kernel in kernels:
 
 
 @pytest.mark.slow  # a fresh process, without the interpreter
-@pytest.mark.parametrize("module", ["block", "short"])
+@pytest.mark.parametrize("module", ["block", "short", "features"])
 def test_the_kernels_compile_for_a_gpu_without_one(module):
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), env.get("PYTHONPATH"))))

@@ -56,8 +56,11 @@ def test_the_pre_activation_gradient_and_the_norm_backward_are_autograd_s(qkv):
         _, grad, grad_pre, rstd = _run(qkv, weight, part, True)
         grads.append(grad)
         grads_pre.append(grad_pre)
-    grad_qk = torch.stack(grads_pre, dim=2)  # [B, N, 2, C]
-    grad_weight = norm_backward(grad_qk, qkv, rstd, weight)
+    grad_v = torch.randn(B, N, H * D)
+    grad = torch.stack([*grads_pre, grad_v], dim=2)  # [B, N, 3, C], as the kernels' gradient buffer
+    grad_weight = norm_backward(grad, qkv, rstd, weight)
+    assert torch.equal(grad[:, :, 2], grad_v)  # v's slot left as it is
+    grad_qk = grad[:, :, :2]
 
     x = qkv.unflatten(-1, (3, -1))[:, :, :2].double().requires_grad_()
     w = weight.double().requires_grad_()

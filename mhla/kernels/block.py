@@ -18,9 +18,11 @@ import triton
 import triton.language as tl
 
 from ..blocks import BlockLayout
+from ..fused import lepe_forward_
 from ..ops import _no_autocast
 from .features import features, features_backward, norm_backward, norm_statistics
 from .inputs import check_inputs
+from .lepe import lepe_gradients, values
 
 __all__ = ["block_attention"]
 
@@ -175,16 +177,15 @@ def _mix(mixing: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
 class _Run:
     """What every launch of one call shares: the sizes, the norm's statistics and weights, the slots."""
 
-    def __init__(self, qkv, q_weight, k_weight, mixing, layout, num_heads, norm_eps, feature_eps):
+    def __init__(self, qkv, norm, mixing, layout, num_heads, feature_eps):
         self.qkv, self.feature_eps = qkv, feature_eps
         self.batch, self.tokens, self.dim = qkv.shape[0], qkv.shape[1], qkv.shape[-1] // 3
-        self.weight = None if q_weight is None else torch.stack((q_weight, k_weight)).float().contiguous()  # [2, C]
-        self.rstd = None if q_weight is None else norm_statistics(qkv, norm_eps)  # [B, N, 2]
+        self.rstd, self.weight = norm  # [B, N, 2] and [2, C] fp32, or None, None
         self.mixing = None if mixing is None else mixing.float()
         self.slots, self.blocks, block_size = _slot_tokens(layout, self.tokens, qkv.device)
         self.heads, self.head_dim = num_heads, self.dim // num_heads
         self.sizes = (self.tokens, block_size, num_heads)  # N, T, H
-        self.meta = dict(C=self.dim, D=self.head_dim, BLOCK_T=BLOCK_T, NORM=q_weight is not None)
+        self.meta = dict(C=self.dim, D=self.head_dim, BLOCK_T=BLOCK_T, NORM=self.weight is not None)
 
     def summaries(self) -> tuple[torch.Tensor, torch.Tensor]:
         """S ``[B, H, M + G, D, D]`` and z ``[B, H, M + G, D]``, fp32, unmixed."""
@@ -201,21 +202,28 @@ class _BlockAttentionFunction(torch.autograd.Function):
     """The kernels' forward and backward; keeps ``qkv`` and the small parameters, recomputes the summaries."""
 
     @staticmethod
-    def forward(ctx, qkv, q_weight, k_weight, mixing, layout, num_heads, norm_eps, feature_eps, eps):
-        ctx.save_for_backward(qkv, q_weight, k_weight, mixing)
-        ctx.options, ctx.eps = (layout, num_heads, norm_eps, feature_eps), eps
-        run = _Run(qkv, q_weight, k_weight, mixing, *ctx.options)
+    def forward(ctx, qkv, q_weight, k_weight, mixing, lepe_weight, lepe_bias, layout, grid_size, num_heads, norm_eps,
+                feature_eps, eps):
+        norm = (None, None)
+        if q_weight is not None:  # computed once, kept for backward: [B, N, 2] and [2, C], small
+            norm = (norm_statistics(qkv, norm_eps), torch.stack((q_weight, k_weight)).float())
+        ctx.save_for_backward(qkv, q_weight, k_weight, mixing, lepe_weight, *norm)
+        ctx.options, ctx.eps = (layout, num_heads, feature_eps), eps
+        ctx.grid_size, ctx.has_bias = grid_size, lepe_bias is not None
+        run = _Run(qkv, norm, mixing, *ctx.options)
         kv, ksum = run.summaries()
         out = torch.empty(run.batch, run.tokens, run.dim, dtype=qkv.dtype, device=qkv.device)  # [B, N, C]
         grid = (run.blocks, run.batch * run.heads)  # (i, b H + h)
         _output_kernel[grid](qkv, run.rstd, run.weight, run.slots, _mix(run.mixing, kv), _mix(run.mixing, ksum), out,
                              feature_eps, eps, *run.sizes, **run.meta)
+        if lepe_weight is not None:
+            lepe_forward_(out, values(qkv), lepe_weight, lepe_bias, grid_size)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        qkv, q_weight, k_weight, mixing = ctx.saved_tensors
-        run = _Run(qkv, q_weight, k_weight, mixing, *ctx.options)
+        qkv, q_weight, k_weight, mixing, lepe_weight, rstd, weight = ctx.saved_tensors
+        run = _Run(qkv, (rstd, weight), mixing, *ctx.options)
         kv, ksum = run.summaries()
         grad_out = grad_out.contiguous()
         grad = torch.empty(run.batch, run.tokens, 3, run.dim, dtype=torch.float32, device=qkv.device)  # [B, N, 3, C]
@@ -234,9 +242,12 @@ class _BlockAttentionFunction(torch.autograd.Function):
                                    *run.sizes, **run.meta)
         grad_q_weight = grad_k_weight = None
         if run.weight is not None:
-            grad_weight = norm_backward(grad[:, :, :2], qkv, run.rstd, run.weight)  # [2, C]
+            grad_weight = norm_backward(grad, qkv, run.rstd, run.weight)  # [2, C]
             grad_q_weight, grad_k_weight = grad_weight.to(q_weight.dtype).unbind(0)
-        return grad.flatten(2).to(qkv.dtype), grad_q_weight, grad_k_weight, grad_mixing, None, None, None, None, None
+        grad_lepe = lepe_gradients(grad, grad_out, qkv, lepe_weight, ctx.has_bias, ctx.grid_size,
+                                   ctx.needs_input_grad[4:6])
+        return (grad.flatten(2).to(qkv.dtype), grad_q_weight, grad_k_weight, grad_mixing, *grad_lepe, None, None, None,
+                None, None, None)
 
 
 def block_attention(
@@ -250,10 +261,14 @@ def block_attention(
         eps: float = 1e-6,
         mixing: torch.Tensor | None = None,
         layout: BlockLayout | None = None,
+        lepe_weight: torch.Tensor | None = None,
+        lepe_bias: torch.Tensor | None = None,
+        grid_size: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Linear attention or MHLA (paper normalizer, block form) from the qkv projection's output, in Triton.
 
-    ``mhla.fused.qkv_attention``'s contract without LePE (the caller adds it) and the parallel form.
+    ``mhla.fused.qkv_attention``'s contract but for the parallel form; LePE is PyTorch's depthwise convolution
+    (cuDNN on a GPU) inside the same autograd function, as on the torch path.
 
     Args:
         qkv: ``[B, N, 3C]`` fp16, bf16 or fp32, q, k and v side by side, N tokens in the order of ``layout``.
@@ -264,11 +279,12 @@ def block_attention(
         eps: added to the denominator.
         mixing: None for plain linear attention; W ``[M + G, M + G]`` over the layout's blocks for MHLA.
         layout: MHLA's block layout (``mhla.blocks.block_layout``).
+        lepe_weight, lepe_bias, grid_size: LePE, as ``mhla.fused.qkv_attention`` takes it.
 
     Returns:
-        ``[B, N, C]`` in the dtype of ``qkv``, differentiable w.r.t. qkv, the norm weights and the mixing.
+        ``[B, N, C]`` in the dtype of ``qkv``, differentiable w.r.t. qkv, the norm weights, the mixing and LePE.
     """
-    check_inputs(qkv, num_heads, q_weight, k_weight, mixing, layout)
+    grid_size = check_inputs(qkv, num_heads, q_weight, k_weight, mixing, layout, lepe_weight, lepe_bias, grid_size)
     with _no_autocast(qkv.device.type):
-        return _BlockAttentionFunction.apply(qkv.contiguous(), q_weight, k_weight, mixing, layout, num_heads,
-                                             norm_eps, feature_eps, eps)
+        return _BlockAttentionFunction.apply(qkv.contiguous(), q_weight, k_weight, mixing, lepe_weight, lepe_bias,
+                                             layout, grid_size, num_heads, norm_eps, feature_eps, eps)

@@ -25,8 +25,11 @@ import triton
 import triton.language as tl
 
 from ..blocks import BlockLayout
+from ..fused import lepe_forward_
+from ..ops import _no_autocast
 from .features import features, features_backward, norm_backward, norm_statistics
 from .inputs import check_inputs
+from .lepe import lepe_gradients, values
 
 __all__ = ["short_attention"]
 
@@ -182,40 +185,40 @@ def _block_size(num_tokens: int) -> int:
     return min(64, max(16, triton.next_power_of_2(num_tokens)))
 
 
-def _norm(qkv, q_weight, k_weight, norm_eps, spare):
-    """The kernels' rstd ``[B, N, 2]`` and weight ``[2, C]`` (fp32); without q/k norm ``spare`` for both, not read."""
-    if q_weight is None:
-        return spare, spare
-    return norm_statistics(qkv, norm_eps).float(), torch.stack((q_weight, k_weight)).float()
-
-
 class _ShortAttentionFunction(torch.autograd.Function):
     """``short_attention``'s kernels with their hand-written backward; keeps qkv, the weights and the denominator."""
 
     @staticmethod
-    def forward(ctx, qkv, q_weight, k_weight, mixing, block_ids, num_heads, norm_eps, feature_eps, eps):
+    def forward(ctx, qkv, q_weight, k_weight, mixing, lepe_weight, lepe_bias, block_ids, grid_size, num_heads, norm_eps,
+                feature_eps, eps):
         batch, num_tokens, dim = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
         out = qkv.new_empty(batch, num_tokens, dim)
-        den = torch.empty(batch, num_heads, num_tokens, dtype=torch.float32, device=qkv.device)
-        rstd, weight = _norm(qkv, q_weight, k_weight, norm_eps, den)
+        # the denominator [B, H, N] and, in backward, delta beside it: one allocation for both
+        stats = torch.empty(2, batch, num_heads, num_tokens, dtype=torch.float32, device=qkv.device)
+        den = stats[0]
+        rstd = weight = None
+        if q_weight is not None:  # computed once, kept for backward: [B, N, 2] and [2, C], small
+            rstd, weight = norm_statistics(qkv, norm_eps), torch.stack((q_weight, k_weight)).float()
         block = _block_size(num_tokens)
         grid = (triton.cdiv(num_tokens, block), batch * num_heads)
         _forward_kernel[grid](qkv, rstd, weight, mixing, block_ids, out, den, num_tokens, mixing.shape[0], feature_eps,
                               eps, H=num_heads, C=dim, D=dim // num_heads, NORM=q_weight is not None, BLOCK_Q=block,
                               BLOCK_K=block)
-        ctx.save_for_backward(qkv, q_weight, k_weight, mixing, block_ids, den)
-        ctx.num_heads, ctx.norm_eps, ctx.feature_eps = num_heads, norm_eps, feature_eps
+        if lepe_weight is not None:
+            lepe_forward_(out, values(qkv), lepe_weight, lepe_bias, grid_size)
+        ctx.save_for_backward(qkv, q_weight, k_weight, mixing, lepe_weight, block_ids, stats, rstd, weight)
+        ctx.num_heads, ctx.feature_eps = num_heads, feature_eps
+        ctx.grid_size, ctx.has_bias = grid_size, lepe_bias is not None
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        qkv, q_weight, k_weight, mixing, block_ids, den = ctx.saved_tensors
+        qkv, q_weight, k_weight, mixing, lepe_weight, block_ids, stats, rstd, weight = ctx.saved_tensors
+        den, delta = stats.unbind(0)  # [B, H, N] each
         num_heads, needs = ctx.num_heads, ctx.needs_input_grad
         batch, num_tokens, dim = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
-        rstd, weight = _norm(qkv, q_weight, k_weight, ctx.norm_eps, den)
         grad_out = grad_out.contiguous()
         grad_qkv = torch.empty(batch, num_tokens, 3, dim, dtype=torch.float32, device=qkv.device)
-        delta = torch.empty_like(den)  # [B, H, N]
         block = _block_size(num_tokens)
         tiles = triton.cdiv(num_tokens, block)
         blocks = mixing.shape[0]
@@ -231,11 +234,12 @@ class _ShortAttentionFunction(torch.autograd.Function):
                                                     GRAD_MIXING=needs[3], MG_PAD=padded, **common)
         grad_q_weight = grad_k_weight = None
         if q_weight is not None:
-            grad_weight = norm_backward(grad_qkv[:, :, :2], qkv, rstd, weight)  # [2, C]
+            grad_weight = norm_backward(grad_qkv, qkv, rstd, weight)  # [2, C]
             grad_q_weight, grad_k_weight = grad_weight.to(q_weight.dtype).unbind(0)
         grad_mixing = grad_mixing.sum(0).to(mixing.dtype) if needs[3] else None
-        return (grad_qkv.flatten(2).to(qkv.dtype), grad_q_weight, grad_k_weight, grad_mixing, None, None, None, None,
-                None)
+        grad_lepe = lepe_gradients(grad_qkv, grad_out, qkv, lepe_weight, ctx.has_bias, ctx.grid_size, needs[4:6])
+        return (grad_qkv.flatten(2).to(qkv.dtype), grad_q_weight, grad_k_weight, grad_mixing, *grad_lepe, None, None,
+                None, None, None, None)
 
 
 def short_attention(
@@ -249,10 +253,14 @@ def short_attention(
         eps: float = 1e-6,
         mixing: torch.Tensor | None = None,
         layout: BlockLayout | None = None,
+        lepe_weight: torch.Tensor | None = None,
+        lepe_bias: torch.Tensor | None = None,
+        grid_size: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Linear attention or MHLA (paper normalizer) in the parallel form, as Triton kernels.
 
-    The contract of ``mhla.fused.qkv_attention`` for these arguments, without LePE (the caller adds it).
+    The contract of ``mhla.fused.qkv_attention`` for these arguments; LePE is PyTorch's depthwise convolution
+    (cuDNN on a GPU) inside the same autograd function, as on the torch path.
 
     Args:
         qkv: ``[B, N, 3C]``, q, k and v side by side, N tokens in the order of ``layout``.
@@ -263,16 +271,19 @@ def short_attention(
         eps: added to the denominator ``sum_s A[t, s]``.
         mixing: None for plain linear attention; W ``[M + G, M + G]`` over the layout's blocks for MHLA.
         layout: MHLA's block layout (``mhla.blocks.block_layout``), on qkv's device.
+        lepe_weight, lepe_bias, grid_size: LePE, as ``mhla.fused.qkv_attention`` takes it.
 
     Returns:
         ``[B, N, C]`` in the dtype of ``qkv``; differentiable w.r.t. qkv, q_weight, k_weight and mixing.
     """
-    check_inputs(qkv, num_heads, q_weight, k_weight, mixing, layout)
+    grid_size = check_inputs(qkv, num_heads, q_weight, k_weight, mixing, layout, lepe_weight, lepe_bias, grid_size)
     num_tokens = qkv.shape[1]
     if layout is None:
         mixing = torch.ones(1, 1, dtype=torch.float32, device=qkv.device)
         block_ids = torch.zeros(num_tokens, dtype=torch.int32, device=qkv.device)
     else:
-        block_ids = layout.block_ids.to(torch.int32)
-    return _ShortAttentionFunction.apply(qkv.contiguous(), q_weight, k_weight, mixing.float().contiguous(), block_ids,
-                                         num_heads, norm_eps, feature_eps, eps)
+        block_ids = layout.block_ids  # int64, read as it is
+    with _no_autocast(qkv.device.type):
+        return _ShortAttentionFunction.apply(qkv.contiguous(), q_weight, k_weight, mixing.float().contiguous(),
+                                             lepe_weight, lepe_bias, block_ids, grid_size, num_heads, norm_eps,
+                                             feature_eps, eps)
