@@ -43,12 +43,11 @@ from mhla import backend as backends
 from mhla import benchmark as bench
 from mhla import block_layout, linear_attention, mhla_attention
 from mhla import targets as goals
+from mhla.benchmark import METHOD_LABELS as LABELS
 
 METHODS = ("sdpa", "linear", "mhla", "mhla_tokens", "linear_triton", "mhla_triton", "sdpa_flash", "sdpa_cudnn")
 TRITON = ("linear_triton", "mhla_triton")  # the kernels, from qkv
 PINNED_SDPA = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}  # CUDA only
-LABELS = {"sdpa": "SDPA", "sdpa_flash": "SDPA (FlashAttention)", "sdpa_cudnn": "SDPA (cuDNN)", "linear": "linear",
-          "mhla": "MHLA", "linear_triton": "linear (Triton)", "mhla_triton": "MHLA (Triton)"}  # in the targets' names
 MODES = ("forward", "train")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -57,7 +56,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[196, 256, 1024, 4096, 16384],
                         help="sequence lengths N, each a square number (token grid side = sqrt(N))")
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS[:4]),
+                        help="default: the torch path's (sdpa, linear, mhla, mhla_tokens), which run anywhere")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
