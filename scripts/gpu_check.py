@@ -448,7 +448,7 @@ def targets(model_rows: list[dict], op_rows: list[dict], device: str) -> list[Ou
                     "model.speedup_1024")
     for size, target in ((224, "model.train_vs_softmax_224"), (1024, "model.train_vs_softmax_1024")):
         for run in RUNS:
-            if run == "triton" or (MHLA, size, "train", run) in models:
+            if run == "triton" or all((name, size, "train", run) in models for name in (MHLA, SOFTMAX)):
                 add(f"{MHLA} / {SOFTMAX} training-step time, {size} px, {RUN_NAMES[run]}",
                     model(MHLA, size, "train", run, "step_ms"), model(SOFTMAX, size, "train", run, "step_ms"), target)
     for compiled, n in sorted({(compiled, n) for _, n, _, compiled in op}):

@@ -333,6 +333,7 @@ def test_the_report_reads_the_benchmarks_files_and_marks_each_target(tmp_path, d
     ]:
         assert line in lines, line
     assert not [line for line in lines if "peak memory, 224 px, compiled" in line]  # NaN: not measured
+    assert not [line for line in lines if "training-step time, 224 px, compiled" in line]  # no softmax in that run
 
 
 def test_a_check_that_measured_nothing_says_so(tmp_path):
