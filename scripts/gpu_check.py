@@ -432,7 +432,7 @@ def targets(model_rows: list[dict], op_rows: list[dict], device: str) -> list[Ou
     for n, target in ((4096, "op.speedup_4096"), (16384, "op.speedup_16384")):
         for compiled in op_kinds:
             op_ratio(n, "sdpa", "mhla", compiled, target, listed=n == 4096)
-        op_ratio(n, "sdpa", "mhla_triton", False, target)
+        op_ratio(n, "sdpa", "mhla_triton", False, target, listed=goals.device_kind(device) == "gpu")  # kernels: CUDA
         for sdpa in PINNED_SDPA:
             for mhla in ("mhla", "mhla_triton"):
                 op_ratio(n, sdpa, mhla, False, target, listed=False)

@@ -338,6 +338,8 @@ def test_the_report_reads_the_benchmarks_files_and_marks_each_target(tmp_path, d
 
 
 def test_a_check_that_measured_nothing_says_so(tmp_path):
+    on_cpu = gpu_check.build_report({}, [], [], tmp_path, "python scripts/gpu_check.py", "cpu", "float32", "now")
+    assert "Triton" not in on_cpu  # the check runs the kernels on CUDA only
     report = gpu_check.build_report({}, [], [], tmp_path, "python scripts/gpu_check.py", "cuda", "bfloat16", "now")
     targets = [line for line in report.splitlines() if line.endswith("| not measured |")]
     # the op at 4,096 tokens (torch path, kernels) and 16,384 (kernels), 224 px throughput (training, inference), the
