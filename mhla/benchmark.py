@@ -21,11 +21,14 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["Timing", "allow_compiled_variants", "keep_freed_memory", "peak_memory", "peak_memory_in_worker",
-           "plot_log_log", "release_freed_memory", "return_freed_memory", "saved_bytes", "time_call",
-           "time_interleaved", "write_csv"]
+__all__ = ["METHOD_LABELS", "Timing", "allow_compiled_variants", "keep_freed_memory", "peak_memory",
+           "peak_memory_in_worker", "plot_log_log", "release_freed_memory", "return_freed_memory", "saved_bytes",
+           "time_call", "time_interleaved", "write_csv"]
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+# The op benchmark's methods (scripts/benchmark_attention.py) as the targets' names in its report and the GPU check's.
+METHOD_LABELS = {"sdpa": "SDPA", "sdpa_flash": "SDPA (FlashAttention)", "sdpa_cudnn": "SDPA (cuDNN)",
+                 "linear": "linear", "mhla": "MHLA", "linear_triton": "linear (Triton)", "mhla_triton": "MHLA (Triton)"}
 
 
 @dataclass(frozen=True)

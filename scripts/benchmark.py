@@ -17,10 +17,14 @@ each beside its target from ``mhla.targets`` (the CPU's or the GPU's table, by `
 ``--compile`` compiles the whole model, ``--compile blocks`` each transformer block (``mhla.training.compiling``:
 a cold start a quarter as long).
 ``--no-memory`` leaves the peak memory out (NaN; on the CPU a compiled model compiles again in each fresh
-process).
+process). ``--backend`` (``mhla.backend``) picks the attention's implementation in our linear-attention and MHLA
+models: ``triton`` times them on the Triton kernels (on CUDA, or on the CPU under ``TRITON_INTERPRET=1``); timm's and
+the softmax models have none. Each row names the backend its model ran on (``torch`` or ``triton``, empty for the
+models without one).
 """
 import argparse
 import contextlib
+import functools
 import json
 import math
 import sys
@@ -30,6 +34,7 @@ import timm
 import torch
 
 import models  # noqa: F401  (registers the models)
+from mhla import backend as backends
 from mhla import benchmark as bench
 from mhla import targets as goals
 from mhla.flops import count_macs
@@ -42,6 +47,7 @@ DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 COMPILE = ("none", "model", "blocks")
 TIMM_DEIT = "deit_tiny_patch16_224"
 HIGH_RES = 1024  # px: 4,096 tokens, where linear attention has to pay off
+TRAIN_VS_SOFTMAX = {224: "model.train_vs_softmax_224", HIGH_RES: "model.train_vs_softmax_1024"}  # target by px
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -60,6 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-memory", action="store_true",
                         help="skip the peak memory (on the CPU one fresh process per model and mode, where a "
                              "compiled model compiles again); peak_mib is NaN and the memory ratios are left out")
+    parser.add_argument("--backend", choices=backends.BACKENDS, default="auto",
+                        help="the attention's implementation in our linear-attention and MHLA models (mhla.backend)")
     parser.add_argument("--worker", nargs=3, metavar=("MODEL", "IMG_SIZE", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for name in args.models:
@@ -68,13 +76,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     for size in args.img_sizes:
         if size % 16:
             parser.error(f"--img-sizes: {size} is not divisible by the patch size 16")
+    try:
+        backends.check_backend(args.backend)
+        args.resolved_backend = "triton" if backends.uses_triton(args.backend, torch.device(args.device)) else "torch"
+    except ValueError as error:
+        parser.error(f"--backend: {error}")
     return args
+
+
+@functools.cache
+def takes_backend(name: str) -> bool:
+    """Whether ``name`` is one of our linear-attention or MHLA models (built on the meta device to ask)."""
+    with torch.device("meta"):
+        return getattr(timm.create_model(name), "attn_type", "softmax") != "softmax"
+
+
+def create(name: str, img_size: int, args):
+    """``name`` at ``img_size`` on ``--device``, on ``--backend`` where the model takes one."""
+    kwargs = dict(backend=args.backend) if takes_backend(name) else {}
+    return timm.create_model(name, img_size=img_size, **kwargs).to(args.device)
 
 
 def build_call(name: str, img_size: int, mode: str, args):
     """A function running one inference batch or one training step of ``name`` at ``img_size``."""
     device = torch.device(args.device)
-    model = timm.create_model(name, img_size=img_size).to(device)
+    model = create(name, img_size, args)
     if args.compile == "model":
         model = torch.compile(model)
     elif args.compile == "blocks":
@@ -118,7 +144,8 @@ def memory_worker(args) -> float:
 
 def measure_memory(args, name: str, size: int, mode: str) -> float:
     cmd = [sys.executable, __file__, "--worker", name, str(size), mode, "--models", name, "--img-sizes", str(size),
-           "--batch-size", str(args.batch_size), "--dtype", args.dtype, "--device", args.device]
+           "--batch-size", str(args.batch_size), "--dtype", args.dtype, "--device", args.device,
+           "--backend", args.backend]
     cmd += ["--compile", args.compile]
     return bench.peak_memory_in_worker(cmd, f"{name} {size}px {mode}")
 
@@ -126,7 +153,7 @@ def measure_memory(args, name: str, size: int, mode: str) -> float:
 def measure_kept(args, name: str, size: int) -> tuple[float, float]:
     """What a training forward keeps for backward: MiB for the whole model, and floats per token (in units of
     C) for one attention layer (``mhla.benchmark.saved_bytes``)."""
-    model = timm.create_model(name, img_size=size).to(args.device)
+    model = create(name, size, args)
     x = torch.randn(args.batch_size, 3, size, size, device=args.device)
     autocast = (torch.autocast(x.device.type, dtype=DTYPES[args.dtype]) if DTYPES[args.dtype]
                 else contextlib.nullcontext())
@@ -168,10 +195,10 @@ def ratios(rows: list[dict], device: str) -> list[dict]:
     """MHLA against its baselines wherever both were measured: ratio, target and whether it is met.
 
     Per model size (tiny, small) and resolution: MHLA / linear step time (against ``*_linear_lepe``, the same
-    network with one block, so the ratio is the cost of the blocks), softmax / MHLA step time (the speed-up),
-    MHLA / softmax and linear / softmax training peak memory; at 224 px, MHLA-T / timm's DeiT-T inference and
-    training throughput. Each target is that of ``device``'s table (``mhla.targets``), or none where the table
-    has none for the ratio at that resolution.
+    network with one block, so the ratio is the cost of the blocks), softmax / MHLA step time (the speed-up) and
+    MHLA / softmax training-step time, MHLA / softmax and linear / softmax training peak memory; at 224 px, MHLA-T /
+    timm's DeiT-T inference and training throughput. Each target is that of ``device``'s table (``mhla.targets``),
+    or none where the table has none for the ratio at that resolution.
     """
     table = goals.for_device(device)
     by_key = {(r["model"], r["img_size"], r["mode"]): r for r in rows}
@@ -195,6 +222,9 @@ def ratios(rows: list[dict], device: str) -> list[dict]:
                 if m and soft:
                     add(f"{softmax} / {mhla} step time (speed-up)", size, mode, soft["step_ms"] / m["step_ms"],
                         "model.speedup_1024" if size == HIGH_RES else None)
+                if m and soft and mode == "train":
+                    add(f"{mhla} / {softmax} training-step time", size, mode, m["step_ms"] / soft["step_ms"],
+                        TRAIN_VS_SOFTMAX.get(size))
             for name in (mhla, linear, f"deit_{family}_linear"):
                 m, soft = by_key.get((name, size, "train")), by_key.get((softmax, size, "train"))
                 if m and soft and math.isfinite(m["peak_mib"]) and math.isfinite(soft["peak_mib"]):
@@ -227,7 +257,8 @@ def main(argv=None) -> int:
             for mode in MODES:
                 ms, spread = times[(name, mode)]
                 rows.append(dict(model=name, img_size=size, mode=mode, batch_size=args.batch_size, dtype=args.dtype,
-                                 compile=args.compile, step_ms=ms, spread_pct=spread,
+                                 compile=args.compile, backend=args.resolved_backend if takes_backend(name) else "",
+                                 step_ms=ms, spread_pct=spread,
                                  img_per_s=args.batch_size * 1e3 / ms, peak_mib=peaks[(name, mode)],
                                  params_m=params, gmacs=gmacs, kept_mib=kept_mib, attn_kept_c=attn_kept_c))
                 print(f"{name:>24} {size:>5}px {mode:<9} {ms:10.1f} ms {rows[-1]['img_per_s']:9.1f} img/s "
@@ -235,7 +266,8 @@ def main(argv=None) -> int:
         bench.write_csv(rows, args.out_dir / "benchmark.csv")
     found = ratios(rows, args.device)
     (args.out_dir / "benchmark.json").write_text(json.dumps(dict(rows=rows, ratios=found), indent=2) + "\n")
-    lines = [f"{args.device}, {args.dtype}, batch {args.batch_size}, {torch.get_num_threads()} threads, "
+    lines = [f"{args.device}, {args.dtype}, batch {args.batch_size}, backend {args.resolved_backend} (linear "
+             f"attention and MHLA), {torch.get_num_threads()} threads, "
              f"torch {torch.__version__}{'' if args.compile == 'none' else ', compiled: ' + args.compile}", "",
              "| model | px | params (M) | GMACs | inference img/s | train img/s | train step ms (spread) | "
              "inference MiB | train MiB | kept MiB | attention kept / token |",

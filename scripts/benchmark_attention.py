@@ -10,14 +10,24 @@ token-order inputs and the gather back. In ``MultiHeadLinearAttention`` that par
 place of the head-split copy every attention module makes, so ``mhla`` is the figure to compare
 with ``linear``.
 
+Beside them, the kernels and SDPA with its backend pinned: ``linear_triton`` and ``mhla_triton`` time
+``mhla.kernels.qkv_attention`` as the modules call it, from the qkv projection's output ``[B, N, 3C]`` in token
+order (without q/k RMSNorm or LePE; MHLA in its block form, as ``mhla``), so they include the head split and the
+feature map (ReLU) that ``linear`` and ``mhla`` are given done; ``mhla_triton`` compares with ``mhla_tokens`` and
+``linear_triton`` with ``linear``, and the two with each other. ``sdpa_flash`` and ``sdpa_cudnn`` are ``sdpa``
+under ``torch.nn.attention.sdpa_kernel`` with FlashAttention or cuDNN attention, on CUDA only (``sdpa`` is
+whichever PyTorch picks). ``--compile`` compiles ``sdpa``, ``linear`` and ``mhla`` (and ``mhla_tokens``'s op);
+the kernels and the pinned SDPA run as they are, so eager, compiled and Triton sit side by side in one table.
+
     python scripts/benchmark_attention.py                       # CPU (or CUDA when present)
     python scripts/benchmark_attention.py --sizes 196 1024 --min-run-time 0.2
     python scripts/benchmark_attention.py --device cuda --dtype bfloat16 --compile
 
 Writes ``<out-dir>/attention_benchmark.csv`` after each N, then ``attention_benchmark.{md,png}``, and
 prints the Markdown table and the targets of ``mhla.targets`` for ``--device`` (the CPU's or the GPU's table)
-that the measured methods and sizes allow: MHLA / linear time, SDPA / MHLA time at N = 4096, MHLA / SDPA time
-at N = 196 and MHLA's peak memory at N = 16384 / at N = 1024.
+that the measured methods and sizes allow: MHLA / linear time, SDPA / MHLA time at N = 4096 and 16384, MHLA / SDPA
+time at N = 196 and MHLA's peak memory at N = 16384 / at N = 1024, each for the torch path and, where measured, the
+kernels.
 """
 import argparse
 import functools
@@ -27,12 +37,17 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from mhla import backend as backends
 from mhla import benchmark as bench
 from mhla import block_layout, linear_attention, mhla_attention
 from mhla import targets as goals
+from mhla.benchmark import METHOD_LABELS as LABELS
 
-METHODS = ("sdpa", "linear", "mhla", "mhla_tokens")
+METHODS = ("sdpa", "linear", "mhla", "mhla_tokens", "linear_triton", "mhla_triton", "sdpa_flash", "sdpa_cudnn")
+TRITON = ("linear_triton", "mhla_triton")  # the kernels, from qkv
+PINNED_SDPA = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}  # CUDA only
 MODES = ("forward", "train")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,7 +56,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[196, 256, 1024, 4096, 16384],
                         help="sequence lengths N, each a square number (token grid side = sqrt(N))")
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS[:4]),
+                        help="default: the torch path's (sdpa, linear, mhla, mhla_tokens), which run anywhere")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
@@ -64,6 +80,15 @@ def parse_args(argv=None):
             parser.error(f"--sizes: {n} is not a square number of tokens")
         if side < max(args.block_grid):
             parser.error(f"--sizes: {n} tokens ({side}x{side}) cannot be cut into {args.block_grid} blocks")
+    pinned = [m for m in args.methods if m in PINNED_SDPA]
+    if pinned and torch.device(args.device).type != "cuda":
+        parser.error(f"--methods: {', '.join(pinned)} pin a CUDA backend of SDPA; --device is {args.device}")
+    if any(m in TRITON for m in args.methods):
+        try:
+            backends.check_backend("triton")
+            backends.uses_triton("triton", torch.device(args.device))
+        except ValueError as error:
+            parser.error(f"--methods: {error}")
     return args
 
 
@@ -82,11 +107,13 @@ def op(name: str, compiled: bool):
 
 def build_call(method: str, n: int, mode: str, args) -> tuple:
     """Inputs for one measurement and a function running one forward (or forward + backward)."""
+    train = mode == "train"
+    if method in TRITON:
+        return _triton_call(method, n, train, args)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     shape = (args.batch_size, args.heads, n, args.head_dim)
-    train = mode == "train"
     gen = torch.Generator().manual_seed(0)
-    if method == "sdpa":
+    if method in ("sdpa", *PINNED_SDPA):
         q, k = (torch.randn(shape, generator=gen) for _ in range(2))
     else:
         q, k = (torch.rand(shape, generator=gen) for _ in range(2))
@@ -95,7 +122,11 @@ def build_call(method: str, n: int, mode: str, args) -> tuple:
     grad_out = torch.randn(shape, generator=gen).to(device, dtype)
     side = math.isqrt(n)
 
-    if method in ("sdpa", "linear"):
+    if method in PINNED_SDPA:
+        def attend():
+            with sdpa_kernel(PINNED_SDPA[method]):
+                return _sdpa(*inputs)
+    elif method in ("sdpa", "linear"):
         fn = op(method, args.compile)
 
         def attend():
@@ -116,16 +147,43 @@ def build_call(method: str, n: int, mode: str, args) -> tuple:
             q_, k_, v_ = (layout.to_blocks(t) for t in inputs[:3])
             return layout.from_blocks(fn(q_, k_, v_, mixing, key_mask=key_mask))
 
+    return _timed(attend, inputs, grad_out, train)
+
+
+def _timed(attend, leaves: list[torch.Tensor], grad_out: torch.Tensor, train: bool):
+    """One call of ``attend``: without grad, or forward + backward of ``grad_out`` into ``leaves``."""
     if not train:
         def call():
             with torch.no_grad():
                 return attend()
     else:
         def call():
-            for t in inputs:
+            for t in leaves:
                 t.grad = None
             attend().backward(grad_out)
     return call
+
+
+def _triton_call(method: str, n: int, train: bool, args):
+    """The kernels (``mhla.kernels.qkv_attention``) from qkv ``[B, N, 3C]``; MHLA with uniform W, block form."""
+    from mhla.kernels import qkv_attention  # needs triton (checked by parse_args)
+
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    dim = args.heads * args.head_dim
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(args.batch_size, n, 3 * dim, generator=gen).to(device, dtype).requires_grad_(train)
+    grad_out = torch.randn(args.batch_size, n, dim, generator=gen).to(device, dtype)
+    leaves, options = [qkv], {}
+    if method == "mhla_triton":
+        side = math.isqrt(n)
+        layout = block_layout((side, side), tuple(args.block_grid), device=device)
+        mixing = torch.full((layout.num_blocks,) * 2, 1.0 / layout.num_blocks, device=device, requires_grad=train)
+        leaves.append(mixing)
+        options = dict(mixing=mixing, layout=layout)
+
+    def attend():
+        return qkv_attention(qkv, args.heads, **options)
+    return _timed(attend, leaves, grad_out, train)
 
 
 def run_worker(args) -> float:
@@ -192,7 +250,8 @@ def markdown_table(rows: list[dict], methods: list[str], sizes: list[int]) -> st
 
 def targets(rows: list[dict], device: str) -> list[tuple[str, float, str, bool]]:
     """The targets of ``device``'s table (``mhla.targets``) that the measured methods and sizes allow:
-    (name, value, goal, met)."""
+    (name, value, goal, met); MHLA's on the torch path and on the kernels, the speed-ups against each SDPA
+    measured."""
     table = goals.for_device(device)
     by_key = {(r["method"], r["n"], r["mode"]): r for r in rows}
     result = []
@@ -204,12 +263,19 @@ def targets(rows: list[dict], device: str) -> list[tuple[str, float, str, bool]]
 
     for n in sorted({r["n"] for r in rows}):
         for mode in MODES:
-            add("op.mhla_vs_linear", f"MHLA / linear time, N={n}, {mode}", ("mhla", n, mode), ("linear", n, mode))
-    add("op.speedup_4096", "SDPA / MHLA time, N=4096, train", ("sdpa", 4096, "train"), ("mhla", 4096, "train"))
-    for mode in MODES:
-        add("op.mhla_vs_sdpa_196", f"MHLA / SDPA time, N=196, {mode}", ("mhla", 196, mode), ("sdpa", 196, mode))
-    add("op.memory_growth", "MHLA peak memory N=16384 / N=1024, train", ("mhla", 16384, "train"),
-        ("mhla", 1024, "train"), key="peak_mib")
+            for mhla, linear in (("mhla", "linear"), ("mhla_triton", "linear_triton")):
+                add("op.mhla_vs_linear", f"{LABELS[mhla]} / {LABELS[linear]} time, N={n}, {mode}", (mhla, n, mode),
+                    (linear, n, mode))
+    for mhla in ("mhla", "mhla_triton"):
+        for sdpa in ("sdpa", *PINNED_SDPA):
+            for target, n in (("op.speedup_4096", 4096), ("op.speedup_16384", 16384)):
+                add(target, f"{LABELS[sdpa]} / {LABELS[mhla]} time, N={n}, train", (sdpa, n, "train"),
+                    (mhla, n, "train"))
+        for mode in MODES:
+            add("op.mhla_vs_sdpa_196", f"{LABELS[mhla]} / SDPA time, N=196, {mode}", (mhla, 196, mode),
+                ("sdpa", 196, mode))
+        add("op.memory_growth", f"{LABELS[mhla]} peak memory N=16384 / N=1024, train", (mhla, 16384, "train"),
+            (mhla, 1024, "train"), key="peak_mib")
     return result
 
 

@@ -1,29 +1,35 @@
 """The GPU check: the environment, the CUDA tests and the bf16 benchmarks of the models and the op, in one report.
 
-    python scripts/gpu_check.py                          # on a GPU machine: ~7.5 min on one H200 (estimated)
+    python scripts/gpu_check.py                          # on a GPU machine: ~8 min on one H200 (estimated)
     python scripts/gpu_check.py --dry-run                # the environment and the plan; runs nothing
     python scripts/gpu_check.py --smoke --device cpu     # the eager steps with tiny settings (minutes on 2 cores)
     python scripts/gpu_check.py --steps models-eager-1024 models-compiled-1024
 
 Each step runs in a subprocess with a timeout, its output in ``<out-dir>/logs/<step>.log``: the CUDA-marked tests
-(``pytest -q -m cuda tests/``); ``scripts/benchmark_attention.py`` (SDPA, linear attention and MHLA at 196,
-1,024, 4,096 and 16,384 tokens, B = 8, H = 3, D = 64), eager and compiled; ``scripts/benchmark.py`` at 224, 512,
-1024 and 2048 px (timm's DeiT-T, our softmax DeiT-T, linear attention with LePE and MHLA; batch 256, 64, 16 and
-4) and, compiled block by block (``--compile blocks``: regional compilation, a quarter of the whole model's cold
-start), at ``--compile-sizes`` (default all four: MHLA and its target's baseline, timm's DeiT-T at 224 px and our
-softmax DeiT-T at the others). ``--no-compile`` leaves the compiled steps out (the default with ``--smoke``).
-A step that fails, runs out of memory or runs over its timeout (it is killed with its children) prints one line
-naming it, and the check goes on; the exit code is 1 if any step failed. ``--time-limit`` bounds the whole
-check: a step gets at most the time left, and a step with none left is not run (and fails). The steps run in
-order of importance: the tests, the op, the models eager and compiled at 224 and 1024 px (the targets), the op
-compiled, then 512 and 2048 px. A step first deletes its earlier output directory, and the report reads every
-result under ``--out-dir``, so ``--steps`` completes an earlier report.
+(``pytest -q -m cuda tests/``, the Triton kernels' among them); ``scripts/benchmark_attention.py`` at 196, 1,024,
+4,096 and 16,384 tokens (B = 8, H = 3, D = 64): SDPA, linear attention and MHLA on the torch path eager and
+compiled, and eager only the Triton kernels (``linear_triton``, ``mhla_triton``) and SDPA pinned to FlashAttention
+and to cuDNN attention; ``scripts/benchmark.py`` at 224, 512, 1024 and 2048 px (timm's DeiT-T, our softmax DeiT-T,
+linear attention with LePE and MHLA; batch 256, 64, 16 and 4), at 224, 512 and 1024 px once more with
+``--backend triton`` (our softmax DeiT-T beside linear attention and MHLA on the kernels) and, compiled block by
+block (``--compile blocks``: regional compilation, a quarter of the whole model's cold start), at
+``--compile-sizes`` (default 224 and 1024 px: MHLA and its target's baseline, timm's DeiT-T at 224 px and our
+softmax DeiT-T at the others). ``--no-compile`` leaves the compiled steps out (the default with ``--smoke``); off
+CUDA the kernels' methods and steps and the pinned SDPA are left out (``kernels_run``). A step that fails, runs out
+of memory or runs over its timeout (it is killed with its children) prints one line naming it, and the check goes
+on; the exit code is 1 if any step failed. ``--time-limit`` bounds the whole check: a step gets at most the time
+left, and a step with none left is not run (and fails). The steps run in order of importance: the tests, the op,
+the models eager, on the kernels and compiled at 224 and 1024 px (the targets), the op compiled, then 512 and 2048
+px. A step first deletes its earlier output directory, and the report reads every result under ``--out-dir``, so
+``--steps`` completes an earlier report.
 
 Writes ``--out`` (default ``<out-dir>/gpu_report.md``): the environment, the steps, the test result, the tables
-read from the benchmarks' CSV files and the targets of ``mhla.targets`` for ``--device`` (the GPU's table on
-CUDA), each "met" or "not met": SDPA (FlashAttention) / MHLA op time forward + backward at 4,096 tokens;
-``deit_tiny_mhla`` / timm's DeiT-T throughput at 224 px (compiled, batch 256); our softmax DeiT-T / MHLA step
-time at 1024 px; MHLA / linear step time and the training peak memory against softmax's.
+read from the benchmarks' CSV files (each model row naming the backend it ran on) and the targets of
+``mhla.targets`` for ``--device`` (the GPU's table on CUDA), each "met" or "not met": SDPA / MHLA op time forward +
+backward at 4,096 tokens (the torch path and the kernels, against each SDPA measured) and at 16,384 (the kernels);
+``deit_tiny_mhla`` / timm's DeiT-T throughput at 224 px (compiled, batch 256); MHLA / softmax training-step time at
+224 and 1024 px (on the kernels, and each other run); MHLA / linear time and the training peak memory against
+softmax's.
 """
 import argparse
 import csv
@@ -43,20 +49,29 @@ from pathlib import Path
 
 import torch
 
+from mhla import backend as backends
 from mhla import targets as goals
+from mhla.benchmark import METHOD_LABELS as LABELS
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ["deit_tiny_patch16_224", "deit_tiny_softmax", "deit_tiny_linear_lepe", "deit_tiny_mhla"]
 TIMM_DEIT, SOFTMAX, LINEAR, MHLA = MODELS
 # Images per batch at each resolution: about 50,000-65,000 tokens a batch.
 BATCH_SIZES = {224: 256, 512: 64, 1024: 16, 2048: 4}
-FIRST = (224, 1024)  # the targets' resolutions run first (eager, then compiled), then the others
+FIRST = (224, 1024)  # the targets' resolutions run first (eager, on the kernels, compiled), then the others
 OP_SIZES = [196, 1024, 4096, 16384]  # the token counts of 224, 512, 1024 and 2048 px
-OP_METHODS = ["sdpa", "linear", "mhla"]
+OP_METHODS = ["sdpa", "linear", "mhla"]  # the torch path, eager and compiled
+KERNEL_METHODS = ["linear_triton", "mhla_triton"]  # the Triton kernels, eager only (each is its own kernel)
+PINNED_SDPA = ["sdpa_flash", "sdpa_cudnn"]  # SDPA with its backend named, CUDA only
+TRITON_SIZES = (224, 512, 1024)  # the models on the kernels, beside the eager torch path
+TRITON_MODELS = [SOFTMAX, LINEAR, MHLA]  # softmax: the targets' baseline, timed in the same process
+# The model runs (each a directory <out-dir>/models/<run>-<px>) and how the report names them.
+RUNS = ("eager", "triton", "compiled")
+RUN_NAMES = {"eager": "eager", "triton": "eager on the kernels", "compiled": "compiled"}
 MODEL_TIMING = dict(min_run_time=0.5, rounds=3)  # seconds of timed calls per model and mode, in interleaved rounds
 OP_TIMING = dict(min_run_time=0.3, rounds=3)
 # Expected seconds per step on one H200 (estimates, not measured: see docs/benchmarks.md, "Running the GPU check").
-EXPECTED = {"tests": 45, "attention": 25, "attention-compiled": 80, "eager": 20, "compiled": 55}
+EXPECTED = {"tests": 75, "attention": 45, "attention-compiled": 80, "eager": 20, "triton": 25, "compiled": 55}
 SMOKE = dict(batch_sizes={64: 2}, op_sizes=[64, 256], timing=dict(min_run_time=0.05, rounds=2))
 TIME_LIMIT = 470  # s: the whole check stays under 8 minutes
 OOM_MARKERS = ("out of memory", "outofmemoryerror")
@@ -102,6 +117,16 @@ def compiled_models(size: int) -> list[str]:
     return [TIMM_DEIT if size == 224 else SOFTMAX, MHLA]
 
 
+def kernels_run(device: str) -> bool:
+    """Whether the check times the Triton kernels: on CUDA, with the ``triton`` package (``mhla.backend``). Not on
+    the CPU, even under ``TRITON_INTERPRET=1``: there the smoke run's op alone ran past its 3 minutes."""
+    try:
+        backends.check_backend("triton")
+    except ValueError:
+        return False
+    return torch.device(device).type == "cuda"
+
+
 def plan(args: argparse.Namespace) -> list[Step]:
     """The steps of the check, in the order they run."""
     batch_sizes = SMOKE["batch_sizes"] if args.smoke else BATCH_SIZES
@@ -114,30 +139,37 @@ def plan(args: argparse.Namespace) -> list[Step]:
     def timing(t):
         return ["--min-run-time", str(t["min_run_time"]), "--rounds", str(t["rounds"])]
 
-    def models_step(size: int, compiled: bool) -> Step:
-        kind = "compiled" if compiled else "eager"
+    cuda, kernels = torch.device(args.device).type == "cuda", kernels_run(args.device)
+
+    def models_step(size: int, kind: str) -> Step:
+        """``kind``: "eager", "triton" (eager, ``--backend triton``) or "compiled"."""
         out_dir = args.out_dir / "models" / f"{kind}-{size}"
-        cmd = [python, "scripts/benchmark.py", *common, "--models", *(compiled_models(size) if compiled else MODELS),
-               "--img-sizes", str(size), "--batch-size", str(batch_sizes[size]), *timing(model_timing),
-               "--out-dir", str(out_dir)]
-        if compiled:  # on the CPU, no fresh-process memory workers: each would compile again
-            cmd += ["--compile", "blocks"] + ([] if torch.device(args.device).type == "cuda" else ["--no-memory"])
-        return Step(f"models-{kind}-{size}", cmd, timeout=300 if compiled else 150, estimate=EXPECTED[kind],
-                    out_dir=out_dir)
+        models = {"eager": MODELS, "triton": TRITON_MODELS, "compiled": compiled_models(size)}[kind]
+        cmd = [python, "scripts/benchmark.py", *common, "--models", *models, "--img-sizes", str(size),
+               "--batch-size", str(batch_sizes[size]), *timing(model_timing), "--out-dir", str(out_dir)]
+        if kind == "triton":
+            cmd += ["--backend", "triton"]
+        if kind == "compiled":  # on the CPU, no fresh-process memory workers: each would compile again
+            cmd += ["--compile", "blocks"] + ([] if cuda else ["--no-memory"])
+        return Step(f"models-{kind}-{size}", cmd, timeout=300 if kind == "compiled" else 150,
+                    estimate=EXPECTED[kind], out_dir=out_dir)
 
     def attention_step(compiled: bool) -> Step:
         name = "attention-compiled" if compiled else "attention"
+        methods = OP_METHODS + ([] if compiled else (PINNED_SDPA if cuda else []) + (KERNEL_METHODS if kernels else []))
         cmd = [python, "scripts/benchmark_attention.py", *common, "--sizes", *map(str, op_sizes),
-               "--methods", *OP_METHODS, *timing(op_timing), "--out-dir", str(args.out_dir / name)]
+               "--methods", *methods, *timing(op_timing), "--out-dir", str(args.out_dir / name)]
         return Step(name, cmd + (["--compile"] if compiled else []), timeout=300 if compiled else 180,
                     estimate=EXPECTED[name], out_dir=args.out_dir / name)
 
     sizes = list(batch_sizes)
+    triton_sizes = [size for size in sizes if kernels and (size in TRITON_SIZES or args.smoke)]
     steps = [Step("tests", [python, "-m", "pytest", "-q", "-m", "cuda", "tests/", "-p", "no:cacheprovider"],
                   timeout=180, estimate=EXPECTED["tests"]), attention_step(False)]
     for first in (True, False):
-        steps += [models_step(size, False) for size in sizes if (size in FIRST) == first]
-        steps += [models_step(size, True) for size in args.compile_sizes if (size in FIRST) == first]
+        steps += [models_step(size, "eager") for size in sizes if (size in FIRST) == first]
+        steps += [models_step(size, "triton") for size in triton_sizes if (size in FIRST) == first]
+        steps += [models_step(size, "compiled") for size in args.compile_sizes if (size in FIRST) == first]
         if first and not args.no_compile:
             steps.append(attention_step(True))
     return steps
@@ -152,7 +184,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the benchmarks' outputs, the logs and (by default) the report")
     parser.add_argument("--out", type=Path, default=None, help="the report (default: <out-dir>/gpu_report.md)")
     parser.add_argument("--compile-sizes", type=int, nargs="+", default=None,
-                        help="resolutions of the compiled model benchmark (default: all of the check's)")
+                        help=f"resolutions of the compiled model benchmark (default: the targets', {list(FIRST)})")
     parser.add_argument("--no-compile", action="store_true",
                         help="no compiled step, of the models or the op (the default with --smoke)")
     parser.add_argument("--steps", nargs="+", default=None, help="run only these steps (names: --dry-run)")
@@ -172,7 +204,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.no_compile:
         args.compile_sizes = []
     elif args.compile_sizes is None:
-        args.compile_sizes = list(sizes)
+        args.compile_sizes = [size for size in sizes if size in FIRST]
     for size in args.compile_sizes:
         if size not in sizes:
             parser.error(f"--compile-sizes: {size} is not one of the check's resolutions {sorted(sizes)}")
@@ -339,13 +371,14 @@ def _read_csv(path: Path) -> list[dict]:
 
 
 def read_model_rows(out_dir: Path) -> list[dict]:
-    """Every row of ``<out-dir>/models/*/benchmark.csv`` (``scripts/benchmark.py``), numbers parsed; ``compiled``
-    says whether its ``compile`` is other than "none"."""
+    """Every row of ``<out-dir>/models/<run>-<px>/benchmark.csv`` (``scripts/benchmark.py``), numbers parsed;
+    ``run`` is the directory's (``RUNS``), ``backend`` empty where an earlier CSV has no such column."""
     rows = []
     for path in sorted((out_dir / "models").glob("*/benchmark.csv")):
+        run = path.parent.name.split("-")[0]
         for r in _read_csv(path):
-            rows.append(dict(r, img_size=int(r["img_size"]), batch_size=int(r["batch_size"]),
-                             compiled=r["compile"] != "none",
+            rows.append(dict(r, img_size=int(r["img_size"]), batch_size=int(r["batch_size"]), run=run,
+                             backend=r.get("backend", ""),
                              **{key: float(r[key]) for key in ("step_ms", "spread_pct", "img_per_s", "peak_mib")}))
     return rows
 
@@ -364,50 +397,74 @@ def read_op_rows(out_dir: Path) -> list[dict]:
 
 
 def targets(model_rows: list[dict], op_rows: list[dict], device: str) -> list[Outcome]:
-    """The three headline targets (listed, measured or not), then MHLA / linear time and the peak memory ratios,
-    each against the target of ``device``'s table (``mhla.targets``)."""
+    """The headline targets (listed, measured or not), then the others where measured, each against the target of
+    ``device``'s table (``mhla.targets``; a ratio whose target the table lacks is left out).
+
+    Headline: the op's SDPA / MHLA time at 4,096 tokens (the torch path eager and compiled, the kernels) and at
+    16,384 (the kernels); ``deit_tiny_mhla`` / timm's DeiT-T throughput at 224 px compiled; softmax / MHLA step
+    time at 1024 px (the torch path); MHLA / softmax training-step time at 224 and 1024 px on the kernels. Where
+    measured: the same against pinned SDPA and for the other runs, MHLA / linear time (op and models) and the
+    training peak memory against softmax's.
+    """
     table = goals.for_device(device)
-    models = {(r["model"], r["img_size"], r["mode"], r["compiled"]): r for r in model_rows}
+    models = {(r["model"], r["img_size"], r["mode"], r["run"]): r for r in model_rows}
     op = {(r["method"], r["n"], r["mode"], r["compiled"]): r["time_ms"] for r in op_rows}
     op_kinds = [False] + ([True] if any(compiled for *_, compiled in op) else [])
+    found = []
 
-    def model(name, size, mode, compiled, key):
-        row = models.get((name, size, mode, compiled))
+    def add(name: str, numerator: float | None, denominator: float | None, target: str) -> None:
+        if target in table:
+            found.append(_outcome(name, numerator, denominator, table[target]))
+
+    def model(name, size, mode, run, key):
+        row = models.get((name, size, mode, run))
         return None if row is None else row[key]
 
     def kind(compiled):
         return "compiled" if compiled else "eager"
 
-    found = [_outcome(f"op, 4,096 tokens, forward + backward, {kind(compiled)}: SDPA time / MHLA time",
-                      op.get(("sdpa", 4096, "train", compiled)), op.get(("mhla", 4096, "train", compiled)),
-                      table["op.speedup_4096"])
-             for compiled in op_kinds]
+    def op_ratio(n, numerator, denominator, compiled, target, listed=True):
+        keys = [(method, n, "train", compiled) for method in (numerator, denominator)]
+        if listed or all(key in op for key in keys):
+            add(f"op, {n:,} tokens, forward + backward, {kind(compiled)}: {LABELS[numerator]} time / "
+                f"{LABELS[denominator]} time", op.get(keys[0]), op.get(keys[1]), target)
+
+    for n, target in ((4096, "op.speedup_4096"), (16384, "op.speedup_16384")):
+        for compiled in op_kinds:
+            op_ratio(n, "sdpa", "mhla", compiled, target, listed=n == 4096)
+        op_ratio(n, "sdpa", "mhla_triton", False, target, listed=goals.device_kind(device) == "gpu")  # kernels: CUDA
+        for sdpa in PINNED_SDPA:
+            for mhla in ("mhla", "mhla_triton"):
+                op_ratio(n, sdpa, mhla, False, target, listed=False)
     for mode in ("train", "inference"):
-        found.append(_outcome(f"{MHLA} / {TIMM_DEIT} throughput, 224 px, compiled, {mode}",
-                              model(MHLA, 224, mode, True, "img_per_s"),
-                              model(TIMM_DEIT, 224, mode, True, "img_per_s"), table["model.throughput_vs_timm_224"]))
-    compiled_1024 = [True] if (MHLA, 1024, "train", True) in models else []
-    for compiled in [False, *compiled_1024]:
+        add(f"{MHLA} / {TIMM_DEIT} throughput, 224 px, compiled, {mode}",
+            model(MHLA, 224, mode, "compiled", "img_per_s"), model(TIMM_DEIT, 224, mode, "compiled", "img_per_s"),
+            "model.throughput_vs_timm_224")
+    for run in ("eager", "compiled"):
         for mode in ("train", "inference"):
-            found.append(_outcome(f"{SOFTMAX} / {MHLA} step time, 1024 px, {kind(compiled)}, {mode}",
-                                  model(SOFTMAX, 1024, mode, compiled, "step_ms"),
-                                  model(MHLA, 1024, mode, compiled, "step_ms"), table["model.speedup_1024"]))
+            if run == "eager" or (MHLA, 1024, mode, run) in models:
+                add(f"{SOFTMAX} / {MHLA} step time, 1024 px, {run}, {mode}",
+                    model(SOFTMAX, 1024, mode, run, "step_ms"), model(MHLA, 1024, mode, run, "step_ms"),
+                    "model.speedup_1024")
+    for size, target in ((224, "model.train_vs_softmax_224"), (1024, "model.train_vs_softmax_1024")):
+        for run in RUNS:
+            if run == "triton" or all((name, size, "train", run) in models for name in (MHLA, SOFTMAX)):
+                add(f"{MHLA} / {SOFTMAX} training-step time, {size} px, {RUN_NAMES[run]}",
+                    model(MHLA, size, "train", run, "step_ms"), model(SOFTMAX, size, "train", run, "step_ms"), target)
     for compiled, n in sorted({(compiled, n) for _, n, _, compiled in op}):
-        if ("mhla", n, "train", compiled) in op and ("linear", n, "train", compiled) in op:
-            found.append(_outcome(f"op, {n:,} tokens, forward + backward, {kind(compiled)}: MHLA time / linear time",
-                                  op[("mhla", n, "train", compiled)], op[("linear", n, "train", compiled)],
-                                  table["op.mhla_vs_linear"]))
-    for size, compiled in sorted({(size, compiled) for _, size, _, compiled in models}, key=lambda k: (k[1], k[0])):
+        for mhla, linear in (("mhla", "linear"), ("mhla_triton", "linear_triton")):
+            op_ratio(n, mhla, linear, compiled, "op.mhla_vs_linear", listed=False)
+    for size, run in sorted({(size, run) for _, size, _, run in models}, key=lambda k: (RUNS.index(k[1]), k[0])):
         for mode in ("train", "inference"):
-            if (MHLA, size, mode, compiled) in models and (LINEAR, size, mode, compiled) in models:
-                found.append(_outcome(f"{MHLA} / {LINEAR} step time, {size} px, {kind(compiled)}, {mode}",
-                                      model(MHLA, size, mode, compiled, "step_ms"),
-                                      model(LINEAR, size, mode, compiled, "step_ms"), table["model.mhla_vs_linear"]))
+            if (MHLA, size, mode, run) in models and (LINEAR, size, mode, run) in models:
+                add(f"{MHLA} / {LINEAR} step time, {size} px, {RUN_NAMES[run]}, {mode}",
+                    model(MHLA, size, mode, run, "step_ms"), model(LINEAR, size, mode, run, "step_ms"),
+                    "model.mhla_vs_linear")
         for name in (MHLA, LINEAR):
-            peak, softmax_peak = (model(n, size, "train", compiled, "peak_mib") for n in (name, SOFTMAX))
+            peak, softmax_peak = (model(n, size, "train", run, "peak_mib") for n in (name, SOFTMAX))
             if peak is not None and softmax_peak is not None and math.isfinite(peak) and math.isfinite(softmax_peak):
-                found.append(_outcome(f"{name} / {SOFTMAX} training peak memory, {size} px, {kind(compiled)}",
-                                      peak, softmax_peak, table["model.memory_vs_softmax"]))
+                add(f"{name} / {SOFTMAX} training peak memory, {size} px, {RUN_NAMES[run]}", peak, softmax_peak,
+                    "model.memory_vs_softmax")
     return found
 
 
@@ -447,25 +504,28 @@ def op_table(rows: list[dict]) -> list[str]:
 
 
 def model_table(rows: list[dict]) -> list[str]:
-    by_key = {(r["model"], r["img_size"], r["compile"], r["mode"]): r for r in rows}
+    """One line per model, resolution and run (eager, on the kernels, compiled), naming the backend it ran on."""
+    by_key = {(r["model"], r["img_size"], r["run"], r["mode"]): r for r in rows}
     body = []
-    def order(key):
-        size, compiled, name = key
-        return size, compiled != "none", MODELS.index(name) if name in MODELS else len(MODELS)
 
-    for size, compiled, name in sorted({(r["img_size"], r["compile"], r["model"]) for r in rows}, key=order):
-        inference, train = by_key.get((name, size, compiled, "inference")), by_key.get((name, size, compiled, "train"))
+    def order(key):
+        size, run, name = key
+        return size, RUNS.index(run), MODELS.index(name) if name in MODELS else len(MODELS)
+
+    for size, run, name in sorted({(r["img_size"], r["run"], r["model"]) for r in rows}, key=order):
+        inference, train = by_key.get((name, size, run, "inference")), by_key.get((name, size, run, "train"))
         any_row = inference or train
 
         def get(row, key, digits=1):
             return _number(None if row is None else row[key], digits)
 
         spread = "" if train is None else f" ({train['spread_pct']:.0f}%)"
-        body.append([name, str(size), str(any_row["batch_size"]), "no" if compiled == "none" else compiled,
+        body.append([name, str(size), str(any_row["batch_size"]), any_row["backend"] or "—",
+                     "no" if any_row["compile"] == "none" else any_row["compile"],
                      get(inference, "img_per_s"), get(train, "img_per_s"), get(train, "step_ms") + spread,
                      get(inference, "peak_mib", 0), get(train, "peak_mib", 0)])
-    return _table(["model", "px", "batch", "compiled", "inference img/s", "train img/s", "train step ms (spread)",
-                   "inference MiB", "train MiB"], body)
+    return _table(["model", "px", "batch", "backend", "compiled", "inference img/s", "train img/s",
+                   "train step ms (spread)", "inference MiB", "train MiB"], body)
 
 
 def build_report(env: dict[str, str], steps: list[Step], results: list[StepResult], out_dir: Path,

@@ -39,11 +39,20 @@ def test_the_targets_are_those_of_the_devices_table(device):
 
     rows = [row("linear", 196, "forward", 1.0), row("mhla", 196, "forward", 1.2), row("sdpa", 196, "forward", 0.5),
             row("sdpa", 4096, "train", 100.0), row("mhla", 4096, "train", 10.0),
-            row("mhla", 1024, "train", 1.0, peak_mib=10.0), row("mhla", 16384, "train", 20.0, peak_mib=250.0)]
+            row("mhla", 1024, "train", 1.0, peak_mib=10.0), row("mhla", 16384, "train", 20.0, peak_mib=250.0),
+            row("linear_triton", 4096, "train", 2.0), row("mhla_triton", 4096, "train", 2.4),
+            row("sdpa_flash", 4096, "train", 90.0), row("sdpa", 16384, "train", 1000.0),
+            row("mhla_triton", 16384, "train", 30.0)]
     expected = {"MHLA / linear time, N=196, forward": ("op.mhla_vs_linear", 1.2),
                 "SDPA / MHLA time, N=4096, train": ("op.speedup_4096", 10.0),
                 "MHLA / SDPA time, N=196, forward": ("op.mhla_vs_sdpa_196", 2.4),
-                "MHLA peak memory N=16384 / N=1024, train": ("op.memory_growth", 25.0)}
+                "MHLA peak memory N=16384 / N=1024, train": ("op.memory_growth", 25.0),
+                "MHLA (Triton) / linear (Triton) time, N=4096, train": ("op.mhla_vs_linear", 1.2),
+                "SDPA / MHLA (Triton) time, N=4096, train": ("op.speedup_4096", 100 / 2.4),
+                "SDPA (FlashAttention) / MHLA (Triton) time, N=4096, train": ("op.speedup_4096", 90 / 2.4),
+                "SDPA (FlashAttention) / MHLA time, N=4096, train": ("op.speedup_4096", 9.0),
+                "SDPA / MHLA time, N=16384, train": ("op.speedup_16384", 50.0),
+                "SDPA / MHLA (Triton) time, N=16384, train": ("op.speedup_16384", 1000 / 30)}
     table = goals.for_device(device)
     found = {name: (value, goal, met) for name, value, goal, met in benchmark_attention.targets(rows, device)}
     assert set(found) == {name for name, (key, _) in expected.items() if key in table}
@@ -120,3 +129,41 @@ def test_on_cuda_the_timed_calls_give_the_peak_memory_in_process(tmp_path, monke
         assert {(r["method"], r["n"], r["mode"], r["peak_mib"]) for r in csv.DictReader(f)} == {
             (m, str(n), mode, f"{float(n)}")
             for m in ("linear", "mhla") for n in (16, 64) for mode in ("forward", "train")}
+
+
+def test_pinned_sdpa_is_refused_off_cuda_and_the_kernels_without_the_interpreter(capsys, monkeypatch):
+    for argv, message in ((["--methods", "sdpa", "sdpa_flash", "sdpa_cudnn", "--device", "cpu"],
+                           "--methods: sdpa_flash, sdpa_cudnn pin a CUDA backend of SDPA; --device is cpu"),
+                          (["--methods", "mhla_triton", "--device", "cpu"],
+                           "--methods: backend='triton' runs on CUDA tensors (or on CPU tensors under "
+                           "TRITON_INTERPRET=1), got cpu tensors")):
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        with pytest.raises(SystemExit) as exc:
+            benchmark_attention.parse_args(argv)
+        err = capsys.readouterr().err.splitlines()
+        assert exc.value.code == 2 and err[-1].endswith(f"error: {message}")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert benchmark_attention.parse_args(["--methods", "mhla_triton", "--device", "cpu"]).methods == ["mhla_triton"]
+    assert benchmark_attention.parse_args(["--methods", "sdpa_cudnn", "--device", "cuda"]).methods == ["sdpa_cudnn"]
+
+
+def test_the_kernels_are_timed_beside_the_torch_path_and_land_in_the_csv(tmp_path, monkeypatch):
+    """Under Triton's interpreter, tiny sizes: both kernels are timed forward and forward + backward beside the torch
+    path, and their calls give a ``[B, N, C]`` output (the kernels' own tests hold its values and gradients)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(benchmark_attention, "measure_memory", lambda args, method, n, mode: 1.0)
+    monkeypatch.setattr(benchmark_attention.bench, "keep_freed_memory", lambda: True)
+    argv = ["--sizes", "16", "--methods", "linear", "linear_triton", "mhla_tokens", "mhla_triton", "--batch-size",
+            "1", "--heads", "2", "--head-dim", "16", "--block-grid", "2", "2", "--min-run-time", "0.01", "--rounds",
+            "1", "--no-plot", "--out-dir", str(tmp_path)]
+    benchmark_attention.main(argv)
+    with open(tmp_path / "attention_benchmark.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {(r["method"], r["mode"]) for r in rows} == {
+        (m, mode) for m in ("linear", "linear_triton", "mhla_tokens", "mhla_triton") for mode in ("forward", "train")}
+    assert all(float(r["time_ms"]) > 0 for r in rows)
+    args = benchmark_attention.parse_args(argv)
+    for method in ("linear_triton", "mhla_triton"):
+        out = benchmark_attention.build_call(method, 16, "forward", args)()
+        assert out.shape == (1, 16, 32) and torch.isfinite(out).all()
+        benchmark_attention.build_call(method, 16, "train", args)()  # forward + backward runs

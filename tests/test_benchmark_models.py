@@ -55,7 +55,8 @@ def test_ratios_have_the_targets_of_the_devices_table(device):
         return dict(model=model, img_size=size, mode=mode, step_ms=step_ms, img_per_s=8e3 / step_ms, peak_mib=peak_mib)
 
     rows = [row("deit_tiny_patch16_224", 224, "inference", 100.0), row("deit_tiny_mhla", 224, "inference", 108.0),
-            row("deit_tiny_softmax", 224, "inference", 90.0),
+            row("deit_tiny_softmax", 224, "inference", 90.0), row("deit_tiny_mhla", 224, "train", 108.0),
+            row("deit_tiny_softmax", 224, "train", 100.0),
             row("deit_tiny_mhla", 1024, "train", 10.0, peak_mib=300.0),
             row("deit_tiny_softmax", 1024, "train", 35.0, peak_mib=1000.0),
             row("deit_tiny_linear_lepe", 1024, "train", 9.0)]
@@ -67,7 +68,12 @@ def test_ratios_have_the_targets_of_the_devices_table(device):
         ("deit_tiny_mhla / deit_tiny_patch16_224 throughput", 224, "inference"):
             (100 / 108, "model.throughput_vs_timm_224"),
         (speed_up, 224, "inference"): (90 / 108, None),
+        (speed_up, 224, "train"): (100 / 108, None),
         (speed_up, 1024, "train"): (3.5, "model.speedup_1024"),
+        ("deit_tiny_mhla / deit_tiny_softmax training-step time", 224, "train"): (1.08, "model.train_vs_softmax_224"),
+        ("deit_tiny_mhla / deit_tiny_softmax training-step time", 1024, "train"):
+            (10 / 35, "model.train_vs_softmax_1024"),
+        ("deit_tiny_mhla / deit_tiny_softmax peak memory", 224, "train"): (1.0, "model.memory_vs_softmax"),
         ("deit_tiny_mhla / deit_tiny_softmax peak memory", 1024, "train"): (0.3, memory_1024),
         ("deit_tiny_mhla / deit_tiny_linear_lepe step time", 1024, "train"): (10 / 9, "model.mhla_vs_linear"),
         ("deit_tiny_linear_lepe / deit_tiny_softmax peak memory", 1024, "train"): (0.1, "model.memory_vs_softmax"),
@@ -76,7 +82,7 @@ def test_ratios_have_the_targets_of_the_devices_table(device):
     assert set(found) == set(expected)
     for key, (value, name) in expected.items():
         assert found[key]["value"] == pytest.approx(value), key
-        if name is None:
+        if name not in table:  # e.g. the speed-up's GPU bound is the training-step ratio's
             assert (found[key]["target"], found[key]["met"]) == (None, None)
         else:
             target = table[name]
@@ -132,7 +138,8 @@ def test_no_memory_runs_no_memory_worker_and_leaves_the_memory_ratios_out(tmp_pa
     rows = _rows(tmp_path / "benchmark.csv")
     assert len(rows) == 4 and all(row["peak_mib"] == "nan" for row in rows)
     ratios = json.loads((tmp_path / "benchmark.json").read_text())["ratios"]
-    assert [r["ratio"] for r in ratios] == ["deit_tiny_softmax / deit_tiny_mhla step time (speed-up)"] * 2
+    assert [r["ratio"] for r in ratios] == ["deit_tiny_softmax / deit_tiny_mhla step time (speed-up)"] * 2 + [
+        "deit_tiny_mhla / deit_tiny_softmax training-step time"]
 
 
 def test_on_cuda_the_timed_calls_give_the_peak_memory_in_process(tmp_path, monkeypatch, restore_dynamo_limits):
@@ -174,3 +181,29 @@ def test_macs_and_parameters_are_counted_on_the_meta_device():
     model = timm.create_model("deit_tiny_mhla", img_size=64).eval()
     params = sum(p.numel() for p in model.parameters()) / 1e6
     assert script.model_size("deit_tiny_mhla", 64) == (params, count_macs(model, (3, 64, 64)) / 1e9)
+
+
+def test_backend_runs_our_linear_models_on_the_kernels_and_each_row_names_it(tmp_path, monkeypatch, capsys):
+    """``--backend triton``: our MHLA and linear-attention models are built on the kernels, timm's and the softmax
+    models as they are; the CSV's ``backend`` says which, and without the interpreter the CPU refuses it."""
+    script = load_script("benchmark")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(SystemExit) as exc:
+        script.parse_args(["--backend", "triton", "--device", "cpu"])
+    assert exc.value.code == 2 and "--backend: backend='triton' runs on CUDA tensors" in capsys.readouterr().err
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    args = script.parse_args(["--backend", "triton", "--device", "cpu"])
+    mhla = script.create("deit_tiny_mhla", 64, args)
+    assert {block.attn.backend for block in mhla.blocks} == {"triton"}
+    assert script.create("deit_tiny_linear_lepe", 64, args).blocks[0].attn.backend == "triton"
+    assert not script.takes_backend("deit_tiny_softmax") and not script.takes_backend("deit_tiny_patch16_224")
+    script.create("deit_tiny_softmax", 64, args)  # no backend keyword: it would raise
+    _fake_measurements(script, monkeypatch)
+    assert script.main(["--models", "deit_tiny_softmax", "deit_tiny_mhla", "--img-sizes", "64", "--backend",
+                        "triton", "--device", "cpu", "--no-memory", "--no-plot", "--out-dir", str(tmp_path)]) == 0
+    assert {(r["model"], r["backend"]) for r in _rows(tmp_path / "benchmark.csv")} == {
+        ("deit_tiny_softmax", ""), ("deit_tiny_mhla", "triton")}
+    assert "backend triton (linear attention and MHLA)" in (tmp_path / "benchmark.md").read_text()
+    assert script.main(["--models", "deit_tiny_mhla", "--img-sizes", "64", "--no-memory", "--no-plot",
+                        "--out-dir", str(tmp_path)]) == 0
+    assert {r["backend"] for r in _rows(tmp_path / "benchmark.csv")} == {"torch"}  # auto on the CPU

@@ -1,5 +1,6 @@
 """On a CUDA device: the attention and DeiT-T MHLA under bf16 and fp16 autocast against float64, the block and
-parallel forms, AMP training steps, and channels_last / non_blocking input transfers.
+parallel forms, AMP training steps, channels_last / non_blocking input transfers, and the Triton kernels against the
+fp32 torch path.
 
 Skipped without a device (``tests/conftest.py``); ``scripts/gpu_check.py`` runs them on a GPU machine. Every input
 and every initialisation is drawn on the CPU (under the autouse seed) and moved to ``DEVICE``, so the device sees the
@@ -16,6 +17,8 @@ from helpers import load_script, rel_rms
 from torch.utils.data import DataLoader, TensorDataset
 
 import mhla.attention
+import mhla.fused
+import mhla.kernels
 import models  # noqa: F401  (registers the models)
 from mhla import LinearAttention, MultiHeadLinearAttention, block_layout, qkv_attention
 
@@ -292,3 +295,78 @@ def test_in_process_peak_memory_equals_a_fresh_process_s():
         peak = peaks[("deit_tiny_mhla", mode)]
         assert peak == pytest.approx(benchmark.measure_memory(args, "deit_tiny_mhla", 224, mode), rel=0.05), mode
         assert peak > 1.0
+
+
+# The Triton kernels: bf16 / fp16 inputs against the fp32 torch path (fla's bounds), run to run determinism
+
+# Relative RMS (helpers.rel_rms), fla's bounds for its kernels. The reference is the torch path in fp32 on the
+# device (no LePE, so no convolution; PyTorch's fp32 matmuls are not TF32 by default). Under Triton's CPU interpreter
+# the fp16 cases give 2e-4 - 5e-4 against it; its bf16 tl.dot multiplies bit patterns (triton#11584), so bf16 has
+# no CPU figure.
+KERNEL_TOL = {"output": 5e-3, "gradient": 1e-2}
+KERNEL_CASES = {  # name: (token grid, block grid, prefix tokens, head dim, heads)
+    "7x9-prefix-3x2-D32": ((7, 9), (3, 2), 1, 32, 2),
+    "7x9-prefix-3x2-D64": ((7, 9), (3, 2), 1, 64, 2),
+    "14x14-4x4-D64-H3": ((14, 14), (4, 4), 0, 64, 3),  # DeiT-T's layer at 224 px
+}
+
+
+def kernel_inputs(case: str) -> tuple[torch.Tensor, int, dict]:
+    """qkv ``[2, N, 3C]`` (fp32), the heads and the parameters (norm weights, W, layout), drawn on the CPU."""
+    grid, blocks, prefix, head_dim, heads = KERNEL_CASES[case]
+    layout = block_layout(grid, blocks, num_prefix_tokens=prefix, device=torch.device(DEVICE))
+    dim, num_blocks = heads * head_dim, layout.num_blocks + layout.num_prefix_blocks
+    params = dict(q_weight=1 + 0.2 * torch.randn(dim), k_weight=1 + 0.2 * torch.randn(dim),
+                  mixing=torch.rand(num_blocks, num_blocks))
+    return torch.randn(2, layout.num_tokens, 3 * dim), heads, dict(params, layout=layout)
+
+
+def kernel_run(attention, qkv: torch.Tensor, heads: int, kwargs: dict, parallel: bool, dtype: torch.dtype):
+    """``attention``'s output and the gradients of qkv (in ``dtype``) and of the fp32 parameters."""
+    names = ["q_weight", "k_weight", "mixing"]
+    leaves = [qkv.to(DEVICE, dtype).requires_grad_()] + [kwargs[name].to(DEVICE).requires_grad_() for name in names]
+    out = attention(leaves[0], heads, parallel=parallel, layout=kwargs["layout"],
+                    **dict(zip(names, leaves[1:], strict=True)))
+    grad_out = torch.linspace(-1, 1, out.numel()).reshape(out.shape).to(DEVICE, out.dtype)
+    return out, dict(zip(["qkv", *names], torch.autograd.grad(out, leaves, grad_out), strict=True))
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=dtype_id)
+@pytest.mark.parametrize("parallel", [False, True], ids=["blocks", "parallel"])
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_kernels_in_low_precision_match_the_fp32_torch_path(case, parallel, dtype):
+    qkv, heads, kwargs = kernel_inputs(case)
+    expected, expected_grads = kernel_run(mhla.fused.qkv_attention, qkv, heads, kwargs, parallel, torch.float32)
+    out, got = kernel_run(mhla.kernels.qkv_attention, qkv, heads, kwargs, parallel, dtype)
+    assert out.dtype == dtype and got["qkv"].dtype == dtype
+    assert rel_rms(out, expected) <= KERNEL_TOL["output"]
+    for name, grad in expected_grads.items():
+        assert rel_rms(got[name], grad) <= KERNEL_TOL["gradient"], name
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["blocks", "parallel"])
+def test_kernels_give_bitwise_identical_results_run_to_run(parallel):
+    qkv, heads, kwargs = kernel_inputs("14x14-4x4-D64-H3")
+    first, second = (kernel_run(mhla.kernels.qkv_attention, qkv, heads, kwargs, parallel, torch.bfloat16)
+                     for _ in range(2))
+    assert torch.equal(first[0], second[0])
+    assert all(torch.equal(first[1][name], second[1][name]) for name in first[1])
+
+
+def test_deit_tiny_mhla_training_step_on_the_kernels_matches_the_torch_path_under_bf16_autocast():
+    """One forward, cross-entropy and backward of ``deit_tiny_mhla`` (224 px, the parallel form) per backend."""
+    model = timm.create_model("deit_tiny_mhla")
+    x, target = torch.randn(2, 3, 224, 224).to(DEVICE), torch.tensor([1, 2]).to(DEVICE)
+    results = []
+    for backend in ("torch", "triton"):
+        candidate = copy.deepcopy(model).to(DEVICE)
+        for block in candidate.blocks:
+            block.attn.backend = backend
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            logits = candidate(x)
+            loss = F.cross_entropy(logits, target)
+        loss.backward()
+        results.append((logits, grads(candidate)))
+    (expected, want), (logits, got) = results
+    assert rel_rms(logits, expected) <= KERNEL_TOL["output"]
+    assert_grads_close(got, want, KERNEL_TOL["gradient"])

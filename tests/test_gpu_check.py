@@ -27,14 +27,16 @@ def test_the_plan_is_what_the_benchmark_scripts_accept():
     args = gpu_check.parse_args(["--out-dir", "/tmp/check"])
     steps = gpu_check.plan(args)
     assert [s.name for s in steps] == [
-        "tests", "attention", "models-eager-224", "models-eager-1024", "models-compiled-224", "models-compiled-1024",
-        "attention-compiled", "models-eager-512", "models-eager-2048", "models-compiled-512", "models-compiled-2048"]
+        "tests", "attention", "models-eager-224", "models-eager-1024", "models-triton-224", "models-triton-1024",
+        "models-compiled-224", "models-compiled-1024", "attention-compiled", "models-eager-512", "models-eager-2048",
+        "models-triton-512"]
     assert steps[0].cmd[1:] == ["-m", "pytest", "-q", "-m", "cuda", "tests/", "-p", "no:cacheprovider"]
     benchmark_attention = load_script("benchmark_attention")
-    for s in (steps[1], steps[6]):
+    torch_path = ["sdpa", "linear", "mhla"]
+    for s, methods in ((steps[1], torch_path + ["sdpa_flash", "sdpa_cudnn", "linear_triton", "mhla_triton"]),
+                       (steps[8], torch_path)):  # the kernels and pinned SDPA eager only
         op = benchmark_attention.parse_args(s.cmd[2:])
-        assert (op.device, op.dtype, op.sizes, op.methods) == ("cuda", "bfloat16", [196, 1024, 4096, 16384],
-                                                               ["sdpa", "linear", "mhla"])
+        assert (op.device, op.dtype, op.sizes, op.methods) == ("cuda", "bfloat16", [196, 1024, 4096, 16384], methods)
         assert (op.out_dir, op.compile) == (Path("/tmp/check") / s.name, s.name == "attention-compiled")
     benchmark = load_script("benchmark")
     runs = {}
@@ -43,30 +45,40 @@ def test_the_plan_is_what_the_benchmark_scripts_accept():
             parsed = benchmark.parse_args(s.cmd[2:])
             assert (parsed.device, parsed.dtype, parsed.rounds) == ("cuda", "bfloat16", 3)
             assert parsed.out_dir == Path("/tmp/check/models") / s.name.removeprefix("models-")
-            runs[s.name] = (parsed.img_sizes, parsed.batch_size, parsed.compile, parsed.no_memory, parsed.models)
+            runs[s.name] = (parsed.img_sizes, parsed.batch_size, parsed.compile, parsed.backend, parsed.models)
     everything = ["deit_tiny_patch16_224", "deit_tiny_softmax", "deit_tiny_linear_lepe", "deit_tiny_mhla"]
-    softmax_mhla = ["deit_tiny_softmax", "deit_tiny_mhla"]
+    on_kernels = ["deit_tiny_softmax", "deit_tiny_linear_lepe", "deit_tiny_mhla"]
     assert runs == {
-        "models-eager-224": ([224], 256, "none", False, everything),
-        "models-eager-512": ([512], 64, "none", False, everything),
-        "models-eager-1024": ([1024], 16, "none", False, everything),
-        "models-eager-2048": ([2048], 4, "none", False, everything),
-        "models-compiled-224": ([224], 256, "blocks", False, ["deit_tiny_patch16_224", "deit_tiny_mhla"]),
-        "models-compiled-512": ([512], 64, "blocks", False, softmax_mhla),
-        "models-compiled-1024": ([1024], 16, "blocks", False, softmax_mhla),
-        "models-compiled-2048": ([2048], 4, "blocks", False, softmax_mhla),
+        "models-eager-224": ([224], 256, "none", "auto", everything),
+        "models-eager-512": ([512], 64, "none", "auto", everything),
+        "models-eager-1024": ([1024], 16, "none", "auto", everything),
+        "models-eager-2048": ([2048], 4, "none", "auto", everything),
+        "models-triton-224": ([224], 256, "none", "triton", on_kernels),
+        "models-triton-512": ([512], 64, "none", "triton", on_kernels),
+        "models-triton-1024": ([1024], 16, "none", "triton", on_kernels),
+        "models-compiled-224": ([224], 256, "blocks", "auto", ["deit_tiny_patch16_224", "deit_tiny_mhla"]),
+        "models-compiled-1024": ([1024], 16, "blocks", "auto", ["deit_tiny_softmax", "deit_tiny_mhla"]),
     }
+    assert all("--no-memory" not in s.cmd for s in steps)
     assert sum(s.estimate for s in steps) <= args.time_limit <= 480  # the whole check in 8 minutes
 
 
-def test_compile_sizes_steps_and_smoke():
-    args = gpu_check.parse_args(["--compile-sizes", "2048", "--dtype", "float16"])
+def test_compile_sizes_steps_and_smoke(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the CPU runs no kernels
+    args = gpu_check.parse_args(["--compile-sizes", "512", "2048", "--dtype", "float16"])
     compiled = [s for s in gpu_check.plan(args) if "compiled" in s.name]
-    assert [s.name for s in compiled] == ["attention-compiled", "models-compiled-2048"]
+    assert [s.name for s in compiled] == ["attention-compiled", "models-compiled-512", "models-compiled-2048"]
+    assert compiled[1].cmd[compiled[1].cmd.index("--models") + 1:][:2] == ["deit_tiny_softmax", "deit_tiny_mhla"]
     assert all(s.cmd[s.cmd.index("--dtype") + 1] == "float16" for s in compiled)
     assert "compiled" not in str([s.name for s in gpu_check.plan(gpu_check.parse_args(["--no-compile"]))])
     smoke = gpu_check.plan(gpu_check.parse_args(["--smoke", "--device", "cpu"]))
     assert [s.name for s in smoke] == ["tests", "attention", "models-eager-64"]
+    assert smoke[1].cmd[smoke[1].cmd.index("--methods") + 1:][:4] == ["sdpa", "linear", "mhla", "--min-run-time"]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernels could run on CPU tensors, but too slowly for a smoke run
+    assert gpu_check.plan(gpu_check.parse_args(["--smoke", "--device", "cpu"])) == smoke
+    smoke = gpu_check.plan(gpu_check.parse_args(["--smoke", "--device", "cuda"]))
+    assert [s.name for s in smoke] == ["tests", "attention", "models-eager-64", "models-triton-64"]
+    assert "mhla_triton" in smoke[1].cmd and "sdpa_flash" in smoke[1].cmd
     smoke = gpu_check.plan(gpu_check.parse_args(["--smoke", "--device", "cpu", "--compile-sizes", "64"]))
     assert [s.name for s in smoke] == ["tests", "attention", "attention-compiled", "models-eager-64",
                                        "models-compiled-64"]
@@ -178,12 +190,14 @@ def write_csv(path: Path, columns: list[str], rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
-def model_rows(size: int, batch: int, compiled: str, steps: dict) -> list[dict]:
-    """``scripts/benchmark.py`` rows: ``steps`` maps (model, mode) to (step ms, peak MiB)."""
+def model_rows(size: int, batch: int, compiled: str, steps: dict, backend: str = "torch") -> list[dict]:
+    """``scripts/benchmark.py`` rows: ``steps`` maps (model, mode) to (step ms, peak MiB); our linear-attention
+    models ran on ``backend``, the softmax ones on none."""
     columns = written_columns("benchmark")
     rows = [dict(model=model, img_size=size, mode=mode, batch_size=batch, dtype="bfloat16", compile=compiled,
-                 step_ms=ms, spread_pct=3.0, img_per_s=batch * 1e3 / ms, peak_mib=peak, params_m=5.78, gmacs=1.26,
-                 kept_mib=100.0, attn_kept_c=5.0) for (model, mode), (ms, peak) in steps.items()]
+                 backend="" if "softmax" in model or "patch16" in model else backend, step_ms=ms, spread_pct=3.0,
+                 img_per_s=batch * 1e3 / ms, peak_mib=peak, params_m=5.78, gmacs=1.26, kept_mib=100.0,
+                 attn_kept_c=5.0) for (model, mode), (ms, peak) in steps.items()]
     assert list(rows[0]) == columns
     return rows
 
@@ -199,8 +213,16 @@ def make_results(out_dir: Path) -> None:
         ("deit_tiny_softmax", "inference"): (90.0, 300.0), ("deit_tiny_softmax", "train"): (300.0, 1010.0),
         ("deit_tiny_linear_lepe", "inference"): (40.0, 290.0), ("deit_tiny_linear_lepe", "train"): (90.0, 1005.0),
         ("deit_tiny_mhla", "inference"): (45.0, 295.0), ("deit_tiny_mhla", "train"): (100.0, 1000.0)}))
+    write_csv(out_dir / "models" / "triton-1024" / "benchmark.csv", columns, model_rows(1024, 16, "none", {
+        ("deit_tiny_softmax", "inference"): (90.0, 300.0), ("deit_tiny_softmax", "train"): (300.0, 1010.0),
+        ("deit_tiny_linear_lepe", "inference"): (35.0, 290.0), ("deit_tiny_linear_lepe", "train"): (125.0, 995.0),
+        ("deit_tiny_mhla", "inference"): (40.0, 295.0), ("deit_tiny_mhla", "train"): (150.0, 990.0)}, "triton"))
+    write_csv(out_dir / "models" / "triton-224" / "benchmark.csv", columns, model_rows(224, 256, "none", {
+        ("deit_tiny_softmax", "train"): (100.0, 800.0), ("deit_tiny_mhla", "train"): (105.0, 790.0)}, "triton"))
     times = {("sdpa", 4096): (20.0, 60.0), ("linear", 4096): (3.0, 9.0), ("mhla", 4096): (3.5, 10.0),
-             ("sdpa", 196): (0.1, 0.3), ("linear", 196): (0.1, 0.2), ("mhla", 196): (0.2, 0.4)}
+             ("sdpa", 196): (0.1, 0.3), ("linear", 196): (0.1, 0.2), ("mhla", 196): (0.2, 0.4),
+             ("linear_triton", 4096): (1.0, 4.0), ("mhla_triton", 4096): (1.2, 5.0), ("sdpa_flash", 4096): (18.0, 55.0),
+             ("sdpa", 16384): (300.0, 900.0), ("mhla_triton", 16384): (5.0, 20.0)}
     op_columns = written_columns("benchmark_attention")
     op_rows = [dict(method=method, n=n, mode=mode, time_ms=ms, spread_pct=2.0, peak_mib=12.5)
                for (method, n), pair in times.items() for mode, ms in zip(("forward", "train"), pair, strict=True)]
@@ -208,7 +230,8 @@ def make_results(out_dir: Path) -> None:
     write_csv(out_dir / "attention" / "attention_benchmark.csv", op_columns, op_rows)
     (out_dir / "attention" / "attention_benchmark.md").write_text(
         "B=8, H=3, D=64, M=16, cuda, bfloat16, 16 threads, torch 2.14.1\n\n| N | ...\n")
-    compiled = [dict(row, time_ms=row["time_ms"] / (1 if row["method"] == "sdpa" else 2)) for row in op_rows]
+    compiled = [dict(row, time_ms=row["time_ms"] / (1 if row["method"] == "sdpa" else 2)) for row in op_rows
+                if row["method"] in ("sdpa", "linear", "mhla") and row["n"] != 16384]
     write_csv(out_dir / "attention-compiled" / "attention_benchmark.csv", op_columns, compiled)
     (out_dir / "logs").mkdir(parents=True)
     (out_dir / "logs" / "tests.log").write_text(
@@ -236,7 +259,7 @@ def test_the_report_reads_the_benchmarks_files_and_marks_each_target(tmp_path, d
     assert "**1 of 2 steps failed**" in lines[2]
     assert "| GPU | NVIDIA H200, 139.8 GiB, compute capability 9.0, 1 device(s) |" in lines
     assert "| tests | `python -m pytest -q -m cuda tests/ -p no:cacheprovider` | FAILED tests: exit code 1 after " \
-           "31 s: 1 failed \\| x | 31 s | 45 s |" in lines
+           "31 s: 1 failed \\| x | 31 s | 75 s |" in lines
     assert any(line.startswith("| models-eager-2048 | ") and line.endswith(" | not run |  | 20 s |") for line in lines)
     kind = {"cuda": "GPU", "cpu": "CPU"}[device]
     assert any(line.startswith(f"All in bfloat16, against the {kind} targets of `mhla/targets.py`;")
@@ -264,7 +287,30 @@ def test_the_report_reads_the_benchmarks_files_and_marks_each_target(tmp_path, d
          "model.memory_vs_softmax"),
         ("deit_tiny_linear_lepe / deit_tiny_softmax training peak memory, 1024 px, eager", "0.995", 1005 / 1010,
          "model.memory_vs_softmax"),
+        ("op, 4,096 tokens, forward + backward, eager: SDPA time / MHLA (Triton) time", "12.00", 12.0,
+         "op.speedup_4096"),
+        ("op, 4,096 tokens, forward + backward, eager: SDPA (FlashAttention) time / MHLA (Triton) time", "11.00",
+         11.0, "op.speedup_4096"),
+        ("op, 4,096 tokens, forward + backward, eager: SDPA (FlashAttention) time / MHLA time", "5.50", 5.5,
+         "op.speedup_4096"),
+        ("op, 16,384 tokens, forward + backward, eager: SDPA time / MHLA (Triton) time", "45.00", 45.0,
+         "op.speedup_16384"),
+        ("op, 4,096 tokens, forward + backward, eager: MHLA (Triton) time / linear (Triton) time", "1.25", 1.25,
+         "op.mhla_vs_linear"),
+        ("deit_tiny_mhla / deit_tiny_softmax training-step time, 224 px, eager on the kernels", "1.05", 1.05,
+         "model.train_vs_softmax_224"),
+        ("deit_tiny_mhla / deit_tiny_softmax training-step time, 1024 px, eager on the kernels", "0.50", 0.5,
+         "model.train_vs_softmax_1024"),
+        ("deit_tiny_mhla / deit_tiny_softmax training-step time, 1024 px, eager", "0.33", 1 / 3,
+         "model.train_vs_softmax_1024"),
+        ("deit_tiny_mhla / deit_tiny_linear_lepe step time, 1024 px, eager on the kernels, train", "1.20", 1.2,
+         "model.mhla_vs_linear"),
+        ("deit_tiny_mhla / deit_tiny_softmax training peak memory, 1024 px, eager on the kernels", "0.980", 990 / 1010,
+         "model.memory_vs_softmax"),
     ]:
+        if target not in table:  # e.g. the speed-up at 1024 px has a CPU bound only, the kernels' GPU bounds
+            assert not [line for line in lines if line.startswith(f"| {name} |")], name
+            continue
         goal = table[target]
         met = ratio >= goal.value if goal.op == ">=" else ratio <= goal.value
         line = f"| {name} | {measured} | {goal.goal} | {'met' if met else '**not met**'} |"
@@ -274,17 +320,29 @@ def test_the_report_reads_the_benchmarks_files_and_marks_each_target(tmp_path, d
         "- `FAILED tests/test_cuda.py::test_amp_training_steps_learn_a_fixed_batch[float16] - AssertionError: "
         "[2.4, nan]`",
         "B=8, H=3, D=64, M=16, cuda, bfloat16, 16 threads, torch 2.14.1",
-        "| 4,096 | 20.00 | 3.00 | 3.50 | 60.00 | 9.00 | 10.00 | 12.5 | 12.5 | 12.5 |",
+        "| N | sdpa fwd ms | linear fwd ms | mhla fwd ms | linear_triton fwd ms | mhla_triton fwd ms "
+        "| sdpa_flash fwd ms | sdpa fwd+bwd ms | linear fwd+bwd ms | mhla fwd+bwd ms | linear_triton fwd+bwd ms "
+        "| mhla_triton fwd+bwd ms | sdpa_flash fwd+bwd ms | sdpa fwd+bwd MiB | linear fwd+bwd MiB | mhla fwd+bwd MiB "
+        "| linear_triton fwd+bwd MiB | mhla_triton fwd+bwd MiB | sdpa_flash fwd+bwd MiB |",
+        "| 4,096 | 20.00 | 3.00 | 3.50 | 1.00 | 1.20 | 18.00 | 60.00 | 9.00 | 10.00 | 4.00 | 5.00 | 55.00 | 12.5 "
+        "| 12.5 | 12.5 | 12.5 | 12.5 | 12.5 |",
+        "| 16,384 | 300.00 | — | — | — | 5.00 | — | 900.00 | — | — | — | 20.00 | — | 12.5 | — | — | — | 12.5 | — |",
         "| 4,096 | 20.00 | 1.50 | 1.75 | 60.00 | 4.50 | 5.00 | 12.5 | 12.5 | 12.5 |",
-        "| deit_tiny_mhla | 224 | 256 | blocks | 4,923.1 | 2,048.0 | 125.0 (3%) | — | — |",
-        "| deit_tiny_softmax | 1024 | 16 | no | 177.8 | 53.3 | 300.0 (3%) | 300 | 1,010 |",
+        "| deit_tiny_mhla | 224 | 256 | torch | blocks | 4,923.1 | 2,048.0 | 125.0 (3%) | — | — |",
+        "| deit_tiny_softmax | 1024 | 16 | — | no | 177.8 | 53.3 | 300.0 (3%) | 300 | 1,010 |",
+        "| deit_tiny_mhla | 1024 | 16 | triton | no | 400.0 | 106.7 | 150.0 (3%) | 295 | 990 |",
     ]:
         assert line in lines, line
     assert not [line for line in lines if "peak memory, 224 px, compiled" in line]  # NaN: not measured
+    assert not [line for line in lines if "training-step time, 224 px, compiled" in line]  # no softmax in that run
 
 
 def test_a_check_that_measured_nothing_says_so(tmp_path):
+    on_cpu = gpu_check.build_report({}, [], [], tmp_path, "python scripts/gpu_check.py", "cpu", "float32", "now")
+    assert "Triton" not in on_cpu  # the check runs the kernels on CUDA only
     report = gpu_check.build_report({}, [], [], tmp_path, "python scripts/gpu_check.py", "cuda", "bfloat16", "now")
     targets = [line for line in report.splitlines() if line.endswith("| not measured |")]
-    assert len(targets) == 5  # the op, 224 px (training, inference), 1024 px (training, inference)
+    # the op at 4,096 tokens (torch path, kernels) and 16,384 (kernels), 224 px throughput (training, inference), the
+    # training step on the kernels at 224 and 1024 px
+    assert len(targets) == 7
     assert report.count("not measured\n") == 2 and "not run" in report  # the tables, the tests
