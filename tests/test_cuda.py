@@ -368,5 +368,8 @@ def test_deit_tiny_mhla_training_step_on_the_kernels_matches_the_torch_path_unde
         loss.backward()
         results.append((logits, grads(candidate)))
     (expected, want), (logits, got) = results
-    assert rel_rms(logits, expected) <= KERNEL_TOL["output"]
-    assert_grads_close(got, want, KERNEL_TOL["gradient"])
+    # A whole model's bounds under bf16 autocast (TOL), not the op's: 12 blocks of bf16 operands in the kernels
+    # against the torch path's fp32 inside; under the CPU interpreter in fp16 the deepest blocks' norm-weight
+    # gradients already differed by up to 4.75e-2, more than the op's 1e-2
+    assert rel_rms(logits, expected) <= TOL["model"][torch.bfloat16]
+    assert_grads_close(got, want, TOL["parameter"][torch.bfloat16])
