@@ -4,6 +4,7 @@ block form and plain linear attention ``block_attention``, each with LePE inside
 import torch
 
 from ..blocks import BlockLayout
+from ..fused import check_arguments
 from .block import block_attention
 from .short import short_attention
 
@@ -31,8 +32,7 @@ def qkv_attention(
     The arguments, shapes and errors of ``mhla.fused.qkv_attention``; the output is in qkv's dtype, and so is
     LePE's convolution.
     """
-    if parallel and layout is None:
-        raise ValueError("parallel=True is a form of MHLA: give mixing and layout")
+    check_arguments(qkv, num_heads, q_weight, k_weight, mixing, layout, parallel)  # the form's kernel checks the rest
     attend = short_attention if parallel else block_attention
     return attend(qkv, num_heads, q_weight=q_weight, k_weight=k_weight, norm_eps=norm_eps, feature_eps=feature_eps,
                   eps=eps, mixing=mixing, layout=layout, lepe_weight=lepe_weight, lepe_bias=lepe_bias,

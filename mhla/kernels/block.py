@@ -46,15 +46,21 @@ def _load(qkv, rows, valid, h, PART: tl.constexpr, C: tl.constexpr, D: tl.conste
 
 
 @triton.jit
-def _norm(rstd, weight, rows, valid, h, PART: tl.constexpr, C: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr):
-    """RMSNorm's r ``[BLOCK_T]`` and w ``[D]`` of q (``PART`` 0) or k (1) of head h; zeros without ``NORM``."""
+def _phi(qkv, rstd, weight, rows, valid, h, feature_eps, PART: tl.constexpr, C: tl.constexpr, D: tl.constexpr,
+         NORM: tl.constexpr):
+    """phi of q (``PART`` 0) or k (1) of head h at ``rows``, ``[BLOCK_T, D]`` fp32, 0 where not ``valid``.
+
+    Also returns what ``features_backward`` needs: the raw tile, RMSNorm's r ``[BLOCK_T]`` and w ``[D]`` (zeros
+    without ``NORM``).
+    """
+    x = _load(qkv, rows, valid, h, PART, C, D)
     if NORM:
         r = tl.load(rstd + rows * 2 + PART, mask=valid, other=0.0)
         w = tl.load(weight + PART * C + h * D + tl.arange(0, D)).to(tl.float32)
     else:
         r = tl.zeros(rows.shape, tl.float32)
         w = tl.zeros([D], tl.float32)
-    return r, w
+    return tl.where(valid[:, None], features(x, r, w, feature_eps, NORM), 0.0), x, r, w
 
 
 @triton.jit
@@ -67,9 +73,7 @@ def _summaries_kernel(qkv, rstd, weight, slots, kv, ksum, feature_eps, N, T, H, 
     acc_z = tl.zeros([D], tl.float32)
     for start in range(0, T, BLOCK_T):
         rows, valid = _slots(slots, j, start, T, b, N, BLOCK_T)
-        x = _load(qkv, rows, valid, h, 1, C, D)
-        r, w = _norm(rstd, weight, rows, valid, h, 1, C, D, NORM)
-        k = tl.where(valid[:, None], features(x, r, w, feature_eps, NORM), 0.0)  # [BLOCK_T, D]
+        k, x, r, w = _phi(qkv, rstd, weight, rows, valid, h, feature_eps, 1, C, D, NORM)  # [BLOCK_T, D]
         v = _load(qkv, rows, valid, h, 2, C, D)
         acc = tl.dot(tl.trans(k.to(v.dtype)), v, acc, input_precision="ieee")
         acc_z += tl.sum(k, 0)
@@ -91,9 +95,7 @@ def _output_kernel(qkv, rstd, weight, slots, kv, ksum, out, feature_eps, eps, N,
     z = tl.load(ksum + block * D + dd)  # [D]: z~_i
     for start in range(0, T, BLOCK_T):
         rows, valid = _slots(slots, i, start, T, b, N, BLOCK_T)
-        x = _load(qkv, rows, valid, h, 0, C, D)
-        r, w = _norm(rstd, weight, rows, valid, h, 0, C, D, NORM)
-        q = features(x, r, w, feature_eps, NORM)  # [BLOCK_T, D]
+        q, x, r, w = _phi(qkv, rstd, weight, rows, valid, h, feature_eps, 0, C, D, NORM)  # [BLOCK_T, D]
         num = tl.dot(q.to(x.dtype), s.to(x.dtype), input_precision="ieee")
         den = tl.sum(q * z[None, :], 1) + eps
         o = num / den[:, None]
@@ -117,9 +119,7 @@ def _query_backward_kernel(qkv, rstd, weight, slots, kv, ksum, grad_out, grad, g
     acc_z = tl.zeros([D], tl.float32)
     for start in range(0, T, BLOCK_T):
         rows, valid = _slots(slots, i, start, T, b, N, BLOCK_T)
-        x = _load(qkv, rows, valid, h, 0, C, D)
-        r, w = _norm(rstd, weight, rows, valid, h, 0, C, D, NORM)
-        q = tl.where(valid[:, None], features(x, r, w, feature_eps, NORM), 0.0)
+        q, x, r, w = _phi(qkv, rstd, weight, rows, valid, h, feature_eps, 0, C, D, NORM)  # [BLOCK_T, D]
         at = rows[:, None] * C + h * D + dd[None, :]
         dout = tl.load(grad_out + at, mask=valid[:, None], other=0.0)
         den = tl.sum(q * z[None, :], 1) + eps
@@ -150,9 +150,7 @@ def _key_backward_kernel(qkv, rstd, weight, slots, grad_kv, grad_ksum, grad, fea
     dz = tl.load(grad_ksum + block * D + dd)
     for start in range(0, T, BLOCK_T):
         rows, valid = _slots(slots, j, start, T, b, N, BLOCK_T)
-        x = _load(qkv, rows, valid, h, 1, C, D)
-        r, w = _norm(rstd, weight, rows, valid, h, 1, C, D, NORM)
-        k = features(x, r, w, feature_eps, NORM)
+        k, x, r, w = _phi(qkv, rstd, weight, rows, valid, h, feature_eps, 1, C, D, NORM)  # [BLOCK_T, D]
         v = _load(qkv, rows, valid, h, 2, C, D)
         dk = tl.dot(v, tl.trans(ds.to(v.dtype)), input_precision="ieee") + dz[None, :]
         dv = tl.dot(k.to(v.dtype), ds.to(v.dtype), input_precision="ieee")
